@@ -1,0 +1,35 @@
+"""raykv: a tiered KV cache for LLM serving, built on Ray.
+
+Only the names in `__all__` are public; everything else may change.
+"""
+
+from __future__ import annotations
+
+from raykv.config import RayKVConfig
+from raykv.errors import (
+    ConfigError,
+    InvalidInputError,
+    PayloadError,
+    RayKVError,
+    RayKVTimeout,
+    TierUnavailableError,
+)
+from raykv.keys import CacheKey, ChunkSpan, KeyMaker
+from raykv.payload import PayloadMeta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "RayKVConfig",
+    "CacheKey",
+    "ChunkSpan",
+    "KeyMaker",
+    "PayloadMeta",
+    "RayKVError",
+    "ConfigError",
+    "PayloadError",
+    "InvalidInputError",
+    "TierUnavailableError",
+    "RayKVTimeout",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from raykv.cli import main
+
+sys.exit(main())

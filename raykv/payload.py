@@ -1,0 +1,260 @@
+"""A KV chunk's bytes plus metadata, and the binary codec used on disk and on the wire.
+
+In memory a payload is a flat `uint8` numpy array (so Ray's object store hands it
+out zero-copy, whatever the torch dtype, bfloat16 and float8 included) plus a
+`PayloadMeta` (dtype name, shape, layout). On disk and on remote servers it is a
+fixed header followed by the raw bytes:
+
+    magic "RKVC" | version u16 | serde u8 | dtype u8 | layout u8 | ndim u8 | key_len u16
+    | nbytes u64 | data checksum u64 (XXH3-64) | shape u64 * ndim | key utf-8 | header checksum u32
+
+Decoding never unpickles: malformed, truncated, hostile or corrupt bytes raise
+`PayloadError`, which the tiers turn into a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import xxhash
+
+from raykv.errors import PayloadError
+
+MAGIC = b"RKVC"
+VERSION = 1
+LAYOUT_KV_2LTD = "KV_2LTD"  # [2 (K,V), num_layers, num_tokens, num_kv_heads * head_dim]
+MAX_NDIM = 8
+MAX_KEY_BYTES = 1024
+MAX_PAYLOAD_BYTES = 1 << 36  # 64 GiB: anything larger is a corrupt or hostile header
+
+_FIXED = struct.Struct("<4sHBBBBHQQ")
+_HEADER_SUM = struct.Struct("<I")
+
+# Stable on-disk codes: append only, never renumber.
+_DTYPE_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "bool",
+)
+DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES) if hasattr(torch, name)}
+_DTYPE_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
+_LAYOUT_CODES = {LAYOUT_KV_2LTD: 0, "RAW": 1}
+_LAYOUT_BY_CODE = {code: name for name, code in _LAYOUT_CODES.items()}
+# Serdes by name; the code is recorded in every header. "naive" is LMCache's name for raw.
+SERDE_CODES = {"raw": 0, "naive": 0}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype given by name; `PayloadError` if unknown."""
+    if dtype not in DTYPE_CODES:
+        raise PayloadError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPE_CODES)}")
+    return getattr(torch, dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadMeta:
+    """What a flat byte buffer holds: torch dtype name, shape and layout."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str = LAYOUT_KV_2LTD
+
+    def __post_init__(self) -> None:
+        dtype_itemsize(self.dtype)
+        if self.layout not in _LAYOUT_CODES:
+            raise PayloadError(f"unknown layout {self.layout!r}; known: {sorted(_LAYOUT_CODES)}")
+        shape = tuple(self.shape)
+        if len(shape) > MAX_NDIM or any(
+            not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0 for d in shape
+        ):
+            raise PayloadError(f"shape must be up to {MAX_NDIM} ints >= 0, got {self.shape!r}")
+        if self.layout == LAYOUT_KV_2LTD and (len(shape) != 4 or shape[0] != 2):
+            raise PayloadError(
+                f"layout KV_2LTD needs shape [2, num_layers, num_tokens, hidden], got {list(shape)}"
+            )
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in a KV_2LTD chunk."""
+        return self.shape[2] if self.layout == LAYOUT_KV_2LTD else 0
+
+
+def tensor_to_buffer(
+    tensor: torch.Tensor, layout: str = LAYOUT_KV_2LTD
+) -> tuple[np.ndarray, PayloadMeta]:
+    """A torch tensor as a flat uint8 numpy array plus its metadata.
+
+    Zero-copy for a contiguous CPU tensor (the array shares its memory); other
+    tensors are copied to contiguous host memory first.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise PayloadError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    meta = PayloadMeta(dtype, tuple(tensor.shape), layout)
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return flat.numpy(), meta
+
+
+def buffer_to_tensor(buf: Any, meta: PayloadMeta, *, copy: bool = False) -> torch.Tensor:
+    """Rebuild a tensor from a flat byte buffer without copying unless `copy` is true.
+
+    A zero-copy tensor over a read-only buffer (e.g. from Ray's object store) must
+    not be written to; pass `copy=True` for a writable tensor.
+    """
+    arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        arr = arr.reshape(-1).view(np.uint8)
+    if arr.nbytes != meta.nbytes:
+        raise PayloadError(
+            f"buffer holds {arr.nbytes} bytes but "
+            f"{meta.dtype}{list(meta.shape)} needs {meta.nbytes}"
+        )
+    if copy:
+        arr = arr.copy()
+    with warnings.catch_warnings():
+        # torch warns on read-only numpy memory; the docstring states the contract instead.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.view(getattr(torch, meta.dtype)).reshape(meta.shape)
+
+
+class Header(NamedTuple):
+    """A parsed codec header."""
+
+    meta: PayloadMeta
+    key: str
+    serde: int
+    nbytes: int
+    checksum: int
+    header_len: int
+
+
+def encode_parts(
+    data: np.ndarray, meta: PayloadMeta, key: str = "", serde: str = "raw"
+) -> tuple[bytes, memoryview]:
+    """Header bytes and a zero-copy view of the body, for writers that send them separately."""
+    if serde not in SERDE_CODES:
+        raise PayloadError(f"unknown serde {serde!r}; known: {sorted(SERDE_CODES)}")
+    body = memoryview(np.ascontiguousarray(data)).cast("B")
+    if body.nbytes != meta.nbytes:
+        raise PayloadError(f"data has {body.nbytes} bytes but meta declares {meta.nbytes}")
+    key_bytes = key.encode("utf-8")
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise PayloadError(f"key is {len(key_bytes)} bytes; at most {MAX_KEY_BYTES} allowed")
+    head = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        SERDE_CODES[serde],
+        DTYPE_CODES[meta.dtype],
+        _LAYOUT_CODES[meta.layout],
+        len(meta.shape),
+        len(key_bytes),
+        body.nbytes,
+        xxhash.xxh3_64_intdigest(body),
+    )
+    head += struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + key_bytes
+    return head + _HEADER_SUM.pack(xxhash.xxh32_intdigest(head)), body
+
+
+def encode(data: np.ndarray, meta: PayloadMeta, key: str = "", serde: str = "raw") -> np.ndarray:
+    """Header + raw bytes in one flat uint8 array (bytes-like; one copy of the body).
+
+    A numpy buffer rather than `bytes`: large `bytes` objects are several times
+    slower to allocate and fill than numpy's (huge-page friendly) allocations.
+    """
+    head, body = encode_parts(data, meta, key, serde)
+    out = np.empty(len(head) + body.nbytes, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out[len(head) :] = np.frombuffer(body, dtype=np.uint8)
+    return out
+
+
+def read_header(buf: Any) -> Header:
+    """Parse and check a header; needs only the header's bytes (not the body)."""
+    view = memoryview(buf).cast("B")
+    if len(view) < _FIXED.size:
+        raise PayloadError(f"truncated header: {len(view)} bytes, need at least {_FIXED.size}")
+    magic, version, serde, dcode, lcode, ndim, klen, nbytes, checksum = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise PayloadError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise PayloadError(f"unsupported codec version {version}, expected {VERSION}")
+    if ndim > MAX_NDIM or klen > MAX_KEY_BYTES:
+        raise PayloadError(f"corrupt header: ndim={ndim} key_len={klen}")
+    header_len = _FIXED.size + 8 * ndim + klen + _HEADER_SUM.size
+    if len(view) < header_len:
+        raise PayloadError(f"truncated header: {len(view)} bytes, need {header_len}")
+    (hsum,) = _HEADER_SUM.unpack_from(view, header_len - _HEADER_SUM.size)
+    if xxhash.xxh32_intdigest(view[: header_len - _HEADER_SUM.size]) != hsum:
+        raise PayloadError("header checksum mismatch")
+    if serde not in SERDE_CODES.values():
+        raise PayloadError(f"unknown serde code {serde}")
+    if dcode not in _DTYPE_BY_CODE or lcode not in _LAYOUT_BY_CODE:
+        raise PayloadError(f"unknown dtype code {dcode} or layout code {lcode}")
+    if nbytes > MAX_PAYLOAD_BYTES:
+        raise PayloadError(f"declared size {nbytes} exceeds the limit {MAX_PAYLOAD_BYTES}")
+    shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
+    try:
+        key = bytes(view[_FIXED.size + 8 * ndim : header_len - _HEADER_SUM.size]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PayloadError("corrupt header: key is not utf-8") from exc
+    meta = PayloadMeta(_DTYPE_BY_CODE[dcode], shape, _LAYOUT_BY_CODE[lcode])
+    if meta.nbytes != nbytes:
+        raise PayloadError(
+            f"shape {list(shape)} of {meta.dtype} needs {meta.nbytes} bytes, header says {nbytes}"
+        )
+    return Header(meta, key, serde, nbytes, checksum, header_len)
+
+
+class Decoded(NamedTuple):
+    data: np.ndarray  # flat uint8, a view of the input where possible
+    meta: PayloadMeta
+    key: str
+
+
+def decode(buf: Any, expected_key: str | None = None) -> Decoded:
+    """Parse, check and return a payload; a zero-copy view of `buf` where possible.
+
+    Raises `PayloadError` if the bytes are truncated, too long, corrupt, or
+    (when `expected_key` is given) belong to another key.
+    """
+    view = memoryview(buf).cast("B")
+    header = read_header(view)
+    end = header.header_len + header.nbytes
+    if len(view) != end:
+        what = "truncated" if len(view) < end else "trailing bytes after"
+        raise PayloadError(f"{what} payload: have {len(view)} bytes, header declares {end}")
+    body = view[header.header_len :]
+    if xxhash.xxh3_64_intdigest(body) != header.checksum:
+        raise PayloadError("payload checksum mismatch")
+    if expected_key is not None and header.key != expected_key:
+        raise PayloadError(f"payload belongs to key {header.key!r:.80}, not {expected_key!r:.80}")
+    return Decoded(np.frombuffer(body, dtype=np.uint8), header.meta, header.key)

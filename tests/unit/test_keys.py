@@ -1,0 +1,195 @@
+"""Chunking and chained prefix hashing: determinism, prefix property, masks, key strings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.errors import InvalidInputError
+from raykv.keys import CacheKey, KeyMaker, chain_hashes, make_key
+
+C = 4
+tokens_st = st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40)
+
+
+def hashes(tokens, **kw):
+    return [span.key.chunk_hash for span in KeyMaker(chunk_size=C, **kw).keys(tokens)]
+
+
+def test_chunk_boundaries_drop_trailing_partial_chunk_by_default():
+    spans = KeyMaker(chunk_size=C).keys(list(range(10)))
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8)]
+
+
+def test_save_unfull_chunk_keeps_the_trailing_partial_chunk():
+    spans = KeyMaker(chunk_size=C, save_unfull_chunk=True).keys(list(range(10)))
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 10)]
+    assert (
+        spans[2].key != KeyMaker(chunk_size=C, save_unfull_chunk=True).keys(list(range(11)))[2].key
+    )
+
+
+def test_list_numpy_and_torch_inputs_give_identical_keys():
+    toks = list(range(100, 133))
+    a = hashes(toks)
+    assert a == hashes(np.array(toks, dtype=np.int64)) == hashes(np.array(toks, dtype=np.uint32))
+    assert a == hashes(torch.tensor(toks)) == hashes(torch.tensor(toks, dtype=torch.int32))
+
+
+def test_empty_prompt_gives_no_keys():
+    assert KeyMaker(chunk_size=C).keys([]) == []
+    assert KeyMaker(chunk_size=C).keys(np.zeros(0, dtype=np.int64)) == []
+
+
+def test_seed_and_model_identity_change_keys():
+    toks = list(range(8))
+    assert hashes(toks) != hashes(toks, hash_seed="other")
+    a = KeyMaker(chunk_size=C, model_name="m1").keys(toks)[0].key
+    b = KeyMaker(chunk_size=C, model_name="m2").keys(toks)[0].key
+    assert a.chunk_hash == b.chunk_hash and a != b
+
+
+def test_known_answer_pins_the_hash_function():
+    # Changing the hash construction silently would orphan every stored cache.
+    got = chain_hashes([1, 2, 3, 4], 4)[0][2].hex()
+    assert got == chain_hashes(np.array([1, 2, 3, 4], dtype="<i4"), 4)[0][2].hex()
+    assert got == "e466bd9b585f41fbd4ad6210c33a8dc0"
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens_st, tokens_st)
+def test_same_prefix_gives_same_keys(prefix, suffix):
+    a = hashes(prefix)
+    b = hashes(prefix + suffix)
+    assert b[: len(a)] == a
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=C, max_size=40), st.data())
+def test_changing_one_token_changes_its_chunk_and_every_later_one_never_earlier(tokens, data):
+    i = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[i] = tokens[i] + 1
+    a, b = hashes(tokens), hashes(changed)
+    chunk = i // C
+    assert a[:chunk] == b[:chunk]
+    assert all(x != y for x, y in zip(a[chunk:], b[chunk:], strict=True))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [[1, 2], [3, 4]],
+        [1.5, 2.0],
+        np.array([1.0, 2.0]),
+        [-1, 2, 3],
+        [2**31],
+        "abcd",
+        b"abcd",
+        None,
+        12,
+        [True, False],
+        torch.zeros(2, 2, dtype=torch.int64),
+    ],
+)
+def test_bad_tokens_raise_invalid_input(bad):
+    with pytest.raises(InvalidInputError):
+        KeyMaker(chunk_size=C).keys(bad)
+
+
+def test_mask_skips_leading_chunks_but_keeps_the_hash_chain():
+    toks = list(range(12))
+    full = KeyMaker(chunk_size=C).keys(toks)
+    mask = [False] * 4 + [True] * 8
+    masked = KeyMaker(chunk_size=C).keys(toks, mask=mask)
+    assert masked == full[1:]
+    assert KeyMaker(chunk_size=C).keys(toks, mask=np.ones(12, dtype=bool)) == full
+    assert KeyMaker(chunk_size=C).keys(toks, mask=torch.zeros(12, dtype=torch.bool)) == []
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [
+        ([False] * 3 + [True] * 9, "multiple of chunk_size"),
+        ([True] * 4 + [False] * 8, "all False then all True"),
+        ([False] * 4 + [True] * 7, "mask length 11"),
+        ([0] * 4 + [1] * 8, "bool"),
+    ],
+)
+def test_bad_masks_are_rejected_with_a_reason(mask, match):
+    with pytest.raises(InvalidInputError, match=match):
+        KeyMaker(chunk_size=C).keys(list(range(12)), mask=mask)
+
+
+def test_cache_key_string_round_trips_and_is_file_name_safe():
+    key = make_key("meta-llama/Llama 3@8B", 2, 1, "ab" * 16, "bfloat16")
+    text = key.to_string()
+    assert "/" not in text and " " not in text and text.count("@") == 4
+    assert CacheKey.from_string(text) == key
+    assert str(key) == text
+
+
+def test_cache_keys_are_hashable_and_orderable():
+    a = make_key("m", 1, 0, "0" * 32, "float16")
+    b = make_key("m", 1, 0, "1" + "0" * 31, "float16")
+    assert sorted([b, a]) == [a, b]
+    assert len({a, b, make_key("m", 1, 0, "0" * 32, "float16")}) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "a@b",
+        "m@1@0@zz@float16",
+        "m@x@0@" + "0" * 32 + "@f16",
+        "m@1@0@" + "0" * 32 + "@f/16",
+        "%41@1@0@" + "0" * 32 + "@float16",
+        "m@1@0@" + "0" * 32 + "@float16@extra",
+        "m@1@3@" + "0" * 32 + "@float16",
+    ],
+)
+def test_malformed_key_strings_are_rejected(text):
+    with pytest.raises(InvalidInputError):
+        CacheKey.from_string(text)
+
+
+def test_precomputed_hashes_map_to_keys_with_offsets():
+    km = KeyMaker(chunk_size=C)
+    spans = km.keys_from_hashes([123, -5, b"\x01\x02", "abc"], [4, 8, 12, 14])
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 12), (12, 14)]
+    assert len({s.key for s in spans}) == 4
+    assert spans == km.keys_from_hashes([123, -5, b"\x01\x02", "abc"], [4, 8, 12, 14])
+    with pytest.raises(InvalidInputError, match="one offset per hash"):
+        km.keys_from_hashes([1, 2], [4])
+    with pytest.raises(InvalidInputError, match="strictly increasing"):
+        km.keys_from_hashes([1, 2], [4, 4])
+    with pytest.raises(InvalidInputError, match="int, bytes or str"):
+        km.keys_from_hashes([1.5], [4])
+
+
+def test_keys_agree_across_processes_with_different_hash_seeds():
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from raykv.keys import KeyMaker
+        toks = np.random.default_rng(7).integers(0, 50000, 3000)
+        print(",".join(str(s.key) for s in KeyMaker(chunk_size=256).keys(toks)))
+        """
+    )
+    outs = []
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        outs.append(proc.stdout.strip())
+    assert outs[0] == outs[1] and outs[0].count(",") == 10
