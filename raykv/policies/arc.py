@@ -1,0 +1,125 @@
+"""ARC: adaptive replacement between a recency list and a frequency list."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from raykv.policies.base import BasePolicy, CanEvict, Key
+
+
+class ARCPolicy(BasePolicy):
+    """ARC (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAST'03).
+
+    T1 (seen once) and T2 (seen twice or more) hold data; B1 and B2 hold the
+    ids last evicted from each. ``p`` is the paper's real-valued target size
+    of T1: a hit in B1 grows it by ``max(|B2|/|B1|, 1)``, a hit in B2 shrinks
+    it by ``max(|B1|/|B2|, 1)``. Pass the key about to be inserted as
+    ``evict(..., incoming=key)`` so the target adapts before victims are
+    chosen, as in the paper; without it ``insert`` adapts afterwards.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.p = 0.0
+        self._t1: OrderedDict = OrderedDict()  # LRU first
+        self._t2: OrderedDict = OrderedDict()
+        self._b1: OrderedDict = OrderedDict()
+        self._b2: OrderedDict = OrderedDict()
+        self._adapted: Key | None = None
+
+    def _adapt(self, key: Key) -> None:
+        b1, b2 = len(self._b1), len(self._b2)
+        if key in self._b1:
+            self.p = min(float(self.capacity), self.p + max(b2 / b1, 1.0))
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(b1 / b2, 1.0))
+        self._adapted = key
+
+    def insert(self, key: Key, priority: float | None = None) -> None:
+        if key in self:
+            self.touch(key)
+            return
+        if self._adapted != key:
+            self._adapt(key)
+        self._adapted = None
+        if self._b1.pop(key, False) is None or self._b2.pop(key, False) is None:
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def touch(self, key: Key) -> None:
+        if self._t1.pop(key, False) is None:
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        if self._t1.pop(key, False) is not None:
+            self._t2.pop(key, None)
+
+    @staticmethod
+    def _oldest(order: OrderedDict, can_evict: CanEvict | None) -> Key | None:
+        for key in order:
+            if can_evict is None or can_evict(key):
+                return key
+        return None
+
+    def _replace(self, can_evict: CanEvict | None, in_b2: bool) -> Key | None:
+        """The paper's REPLACE: move T1's or T2's LRU (evictable) key to its ghost."""
+        t1 = len(self._t1)
+        prefer_t1 = t1 > 0 and (t1 > self.p or (in_b2 and t1 == self.p))
+        lists = [(self._t1, self._b1), (self._t2, self._b2)]
+        for data, ghost in lists if prefer_t1 else lists[::-1]:
+            key = self._oldest(data, can_evict)
+            if key is not None:
+                del data[key]
+                ghost[key] = None
+                return key
+        return None
+
+    def _evict_one(self, can_evict: CanEvict | None, incoming: Key | None) -> Key | None:
+        c, t1, b1 = self.capacity, len(self._t1), len(self._b1)
+        if incoming is not None and (incoming in self._b1 or incoming in self._b2):
+            return self._replace(can_evict, incoming in self._b2)
+        drop = None  # a ghost list whose LRU id goes, once a victim is found
+        if t1 + b1 >= c:
+            if t1 >= c:
+                key = self._oldest(self._t1, can_evict)
+                if key is not None:
+                    del self._t1[key]
+                    return key
+            elif b1:
+                drop = self._b1
+        elif t1 + b1 + len(self._t2) + len(self._b2) >= 2 * c and self._b2:
+            drop = self._b2
+        victim = self._replace(can_evict, False)
+        if victim is not None and drop is not None:
+            drop.popitem(last=False)
+        return victim
+
+    def evict(
+        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
+    ) -> list:
+        if incoming is not None and incoming not in self and self._adapted != incoming:
+            self._adapt(incoming)
+        victims: list = []
+        while len(victims) < n and len(self):
+            key = self._evict_one(can_evict, incoming)
+            if key is None:
+                break
+            victims.append(key)
+        return victims
+
+    def clear(self) -> None:
+        for order in (self._t1, self._t2, self._b1, self._b2):
+            order.clear()
+        self.p = 0.0
+        self._adapted = None
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2

@@ -1,0 +1,114 @@
+"""LFU: evict the least frequently used key, least recently used among ties."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from sortedcontainers import SortedDict
+
+from raykv.policies.base import BasePolicy, CanEvict, Key
+
+
+class LFUPolicy(BasePolicy):
+    """Least Frequently Used with LRU tie-breaking (as libCacheSim's ``LFU``).
+
+    A count starts at 1 on insert, +1 per hit, and is forgotten on eviction.
+    Keys live in frequency buckets (a ``SortedDict`` of ``OrderedDict``);
+    within a bucket the order is "entered the bucket", i.e. last access.
+    """
+
+    name = "lfu"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._freq: dict = {}
+        self._buckets: SortedDict = SortedDict()
+
+    def _add(self, key: Key, freq: int) -> None:
+        self._freq[key] = freq
+        bucket = self._buckets.get(freq)
+        if bucket is None:
+            bucket = self._buckets[freq] = OrderedDict()
+        bucket[key] = None
+
+    def _drop(self, key: Key, freq: int) -> None:
+        bucket = self._buckets[freq]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[freq]
+
+    def insert(self, key: Key, priority: float | None = None) -> None:
+        if key in self._freq:
+            self.touch(key)
+        else:
+            self._add(key, 1)
+
+    def touch(self, key: Key) -> None:
+        freq = self._freq.get(key)
+        if freq is not None:
+            self._drop(key, freq)
+            self._add(key, freq + 1)
+
+    def remove(self, key: Key) -> None:
+        freq = self._freq.pop(key, None)
+        if freq is not None:
+            self._drop(key, freq)
+
+    def evict(
+        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
+    ) -> list:
+        victims: list = []
+        for freq, bucket in self._buckets.items():
+            for key in bucket:
+                if can_evict is None or can_evict(key):
+                    victims.append((key, freq))
+                    if len(victims) == n:
+                        break
+            if len(victims) >= n:
+                break
+        for key, freq in victims:
+            del self._freq[key]
+            self._drop(key, freq)
+        return [key for key, _ in victims]
+
+    def clear(self) -> None:
+        self._freq.clear()
+        self._buckets.clear()
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    def simulate(self, ids: Iterable[Key]) -> int:
+        # Classic O(1) LFU: the minimum frequency only drops to 1 on insert.
+        freq: dict = {}
+        buckets: dict = {}
+        cap, misses, low = self.capacity, 0, 1
+        for key in ids:
+            f = freq.get(key)
+            if f is None:
+                misses += 1
+                if len(freq) >= cap:
+                    bucket = buckets[low]
+                    victim = bucket.popitem(False)[0]
+                    del freq[victim]
+                    if not bucket:
+                        del buckets[low]
+                f, low = 0, 1
+            else:
+                bucket = buckets[f]
+                del bucket[key]
+                if not bucket:
+                    del buckets[f]
+                    if low == f:
+                        low = f + 1
+            f += 1
+            freq[key] = f
+            bucket = buckets.get(f)
+            if bucket is None:
+                bucket = buckets[f] = OrderedDict()
+            bucket[key] = None
+        return misses

@@ -1,0 +1,79 @@
+"""Priority: the caller ranks keys; the lowest priority goes first, LRU within a priority."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from sortedcontainers import SortedDict
+
+from raykv.policies.base import BasePolicy, CanEvict, Key
+
+
+class PriorityPolicy(BasePolicy):
+    """Caller-given priorities (as LMCache's priority-aware eviction), LRU within a level.
+
+    ``insert(key, priority=p)``: lower ``p`` is evicted first; re-inserting
+    a cached key updates its priority. Levels are a ``SortedDict`` of
+    ``OrderedDict``; ``default_priority`` is used when none is given.
+    """
+
+    name = "priority"
+
+    def __init__(self, capacity: int, default_priority: float = 0) -> None:
+        super().__init__(capacity)
+        self.default_priority = default_priority
+        self._level: dict = {}
+        self._levels: SortedDict = SortedDict()
+
+    def params(self) -> dict[str, Any]:
+        return {"default_priority": self.default_priority}
+
+    def insert(self, key: Key, priority: float | None = None) -> None:
+        if priority is None:
+            priority = self._level.get(key, self.default_priority)
+        self.remove(key)
+        self._level[key] = priority
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = OrderedDict()
+        level[key] = None
+
+    def touch(self, key: Key) -> None:
+        priority = self._level.get(key)
+        if priority is not None:
+            self._levels[priority].move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        priority = self._level.pop(key, None)
+        if priority is not None:
+            level = self._levels[priority]
+            del level[key]
+            if not level:
+                del self._levels[priority]
+
+    def evict(
+        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
+    ) -> list:
+        victims: list = []
+        for level in self._levels.values():
+            for key in level:
+                if can_evict is None or can_evict(key):
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            if len(victims) >= n:
+                break
+        for key in victims:
+            self.remove(key)
+        return victims
+
+    def clear(self) -> None:
+        self._level.clear()
+        self._levels.clear()
+
+    def __len__(self) -> int:
+        return len(self._level)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._level

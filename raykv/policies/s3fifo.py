@@ -1,0 +1,197 @@
+"""S3-FIFO: a small FIFO, a main FIFO and a ghost FIFO of ids."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from typing import Any
+
+from raykv.errors import ConfigError
+from raykv.policies.base import BasePolicy, CanEvict, Key, restore_front
+
+
+class S3FIFOPolicy(BasePolicy):
+    """S3-FIFO (Yang et al., "FIFO queues are all you need for cache eviction", SOSP'23).
+
+    As libCacheSim's textbook ``S3FIFOv0``: small = ``int(0.1 * capacity)``
+    (at least 1), main = the rest, ghost = ``int(0.9 * capacity)`` ids.
+    2-bit frequency capped at 3. New keys enter small, or main when their id
+    is in the ghost. Evict from main when main is over its share or small is
+    empty, else from small: a key hit ``move_threshold`` times moves to main
+    (frequency 0), otherwise its id goes to the ghost and it is evicted. Main
+    reinserts a key with frequency-1 and evicts one at 0. Tiny capacities
+    work (capacity 1: small 1, main 0, so a promoted key is evicted next);
+    libCacheSim itself refuses capacities below 10.
+    """
+
+    name = "s3fifo"
+
+    def __init__(
+        self,
+        capacity: int,
+        small_ratio: float = 0.1,
+        ghost_ratio: float = 0.9,
+        move_threshold: int = 2,
+    ) -> None:
+        super().__init__(capacity)
+        if not 0 < small_ratio < 1 or ghost_ratio < 0 or move_threshold < 1:
+            raise ConfigError(
+                f"policy 's3fifo': small_ratio={small_ratio!r}, ghost_ratio={ghost_ratio!r}, "
+                f"move_threshold={move_threshold!r}; allowed: 0 < small_ratio < 1, "
+                "ghost_ratio >= 0, move_threshold >= 1"
+            )
+        self.small_ratio, self.ghost_ratio = small_ratio, ghost_ratio
+        self.move_threshold = move_threshold
+        self._small_cap = max(1, int(capacity * small_ratio))
+        self._main_cap = capacity - self._small_cap
+        self._ghost_cap = int(capacity * ghost_ratio)
+        self._small: OrderedDict = OrderedDict()  # key -> freq, oldest first
+        self._main: OrderedDict = OrderedDict()
+        self._ghost: OrderedDict = OrderedDict()
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "small_ratio": self.small_ratio,
+            "ghost_ratio": self.ghost_ratio,
+            "move_threshold": self.move_threshold,
+        }
+
+    def _trim_ghost(self) -> None:
+        while len(self._ghost) > self._ghost_cap:
+            self._ghost.popitem(last=False)
+
+    def insert(self, key: Key, priority: float | None = None) -> None:
+        if key in self:
+            self.touch(key)
+            return
+        if self._ghost.pop(key, False) is None:
+            self._main[key] = 0
+        else:
+            self._small[key] = 0
+        self._trim_ghost()
+
+    def touch(self, key: Key) -> None:
+        for queue in (self._small, self._main):
+            freq = queue.get(key)
+            if freq is not None:
+                if freq < 3:
+                    queue[key] = freq + 1
+                return
+
+    def remove(self, key: Key) -> None:
+        if self._small.pop(key, None) is None:
+            self._main.pop(key, None)
+
+    def _evict_small(self, ok: CanEvict, held: list) -> Key | None:
+        small = self._small
+        while small:
+            key, freq = small.popitem(last=False)
+            if not ok(key):
+                held.append((key, freq))
+            elif freq >= self.move_threshold:
+                self._main[key] = 0
+            else:
+                if self._ghost_cap:
+                    self._ghost[key] = None
+                return key
+        return None
+
+    def _evict_main(self, ok: CanEvict, held: list) -> Key | None:
+        main = self._main
+        while main:
+            key, freq = main.popitem(last=False)
+            if not ok(key):
+                held.append((key, freq))
+            elif freq:
+                main[key] = freq - 1
+            else:
+                return key
+        return None
+
+    def evict(
+        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
+    ) -> list:
+        ok = can_evict or _always
+        self._trim_ghost()
+        victims: list = []
+        held_small: list = []
+        held_main: list = []
+        while len(victims) < n and (self._small or self._main):
+            in_main = len(self._main) + len(held_main)
+            if self._main and (in_main > self._main_cap or not self._small):
+                victim = self._evict_main(ok, held_main)
+            else:
+                victim = self._evict_small(ok, held_small)
+            if victim is not None:
+                victims.append(victim)
+        restore_front(self._small, held_small)
+        restore_front(self._main, held_main)
+        return victims
+
+    def clear(self) -> None:
+        self._small.clear()
+        self._main.clear()
+        self._ghost.clear()
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._small or key in self._main
+
+    def simulate(self, ids: Iterable[Key]) -> int:
+        freq: dict = {}
+        small: deque = deque()
+        main: deque = deque()
+        ghost: OrderedDict = OrderedDict()
+        s_push, s_pop, m_push, m_pop = small.append, small.popleft, main.append, main.popleft
+        g_pop = ghost.popitem
+        cap, main_cap, ghost_cap = self.capacity, self._main_cap, self._ghost_cap
+        threshold, misses, n_small, n_main = self.move_threshold, 0, 0, 0
+        for key in ids:
+            f = freq.get(key)
+            if f is not None:
+                if f < 3:
+                    freq[key] = f + 1
+                continue
+            misses += 1
+            to_main = ghost.pop(key, False) is None
+            while n_small + n_main >= cap:
+                if n_main > main_cap or not n_small:
+                    while True:
+                        victim = m_pop()
+                        f = freq[victim]
+                        if f:
+                            freq[victim] = f - 1
+                            m_push(victim)
+                        else:
+                            del freq[victim]
+                            n_main -= 1
+                            break
+                else:
+                    while n_small:
+                        victim = s_pop()
+                        n_small -= 1
+                        if freq[victim] >= threshold:
+                            freq[victim] = 0
+                            m_push(victim)
+                            n_main += 1
+                        else:
+                            del freq[victim]
+                            if ghost_cap:
+                                ghost[victim] = None
+                                if len(ghost) > ghost_cap:
+                                    g_pop(False)
+                            break
+            freq[key] = 0
+            if to_main:
+                m_push(key)
+                n_main += 1
+            else:
+                s_push(key)
+                n_small += 1
+        return misses
+
+
+def _always(key: Any) -> bool:
+    return True
