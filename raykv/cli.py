@@ -11,8 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Modules that contribute subcommands. Missing optional pieces are skipped so a
-# partial install still gives a working CLI.
+# Modules that contribute subcommands (their optional dependencies import lazily).
 _SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate")
 
 
@@ -24,13 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"raykv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 from raykv.errors import ConfigError, InvalidInputError
+from raykv.keys import DEFAULT_HASH_SEED
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +45,6 @@ CONFIG_FILE_ENV = "RAYKV_CONFIG_FILE"
 TIERS = ("cpu", "disk", "remote")
 KNOWN_SERDES = ("naive", "raw")
 KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
-DEFAULT_HASH_SEED = "raykv-v1"
-# Used only while raykv.policies is not importable (it is its registry that decides).
-_FALLBACK_POLICIES = (
-    "arc",
-    "clock",
-    "fifo",
-    "filo",
-    "lfu",
-    "lru",
-    "mru",
-    "priority",
-    "s3fifo",
-    "sieve",
-    "slru",
-)
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _NULL = frozenset({"", "null", "none", "~"})
@@ -448,16 +434,21 @@ def _validate_remote_url(url: str) -> None:
 
 
 def _known_policies() -> list[str]:
-    try:
-        from raykv.policies import known_policies
-    except ImportError:
-        return list(_FALLBACK_POLICIES)
-    return [name.lower() for name in known_policies()]
+    from raykv.policies import known_policies  # lazily: policies import this module's errors
+
+    return known_policies()
 
 
 def _validate_policy(name: str, value: str) -> None:
     if _CLASS_PATH_RE.match(value):
-        return  # an out-of-tree policy; the tier imports it
+        # An out-of-tree policy: import it now so a typo fails at load, not inside an actor.
+        from raykv.policies import policy_class
+
+        try:
+            policy_class(value)
+        except ConfigError as exc:
+            raise _fail(name, value, str(exc)) from None
+        return
     known = _known_policies()
     # Same normalisation as the policy registry, so "S3-FIFO" is "s3fifo".
     normalised = value.strip().lower().replace("-", "").replace("_", "")

@@ -82,7 +82,7 @@ class CacheKey:
                 "expected model@world_size@worker_id@hash@dtype"
             )
         model, world, worker, chunk_hash, dtype = parts
-        if not (world.isdigit() and worker.isdigit()):
+        if not (world.isascii() and world.isdigit() and worker.isascii() and worker.isdigit()):
             raise InvalidInputError(
                 f"not a CacheKey string: {text!r:.80}; bad world_size/worker_id"
             )
@@ -237,7 +237,8 @@ class KeyMaker:
 
     def __post_init__(self) -> None:
         make_key(self.model_name, self.world_size, self.worker_id, "0" * 32, self.kv_dtype)
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+        size = self.chunk_size
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidInputError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
         _seed_digest(self.hash_seed)
 

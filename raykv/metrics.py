@@ -8,10 +8,10 @@ recording is a no-op outside a Ray worker, so plain classes stay testable withou
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Sequence
 from typing import Any
+
+from raykv.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,18 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
-@functools.cache
+_created: dict[str, Any] = {}
+
+
 def _metric(name: str) -> Any:
+    """The metric object, created on first use in a Ray worker; None outside Ray.
+
+    Only real metric objects are cached, so a call made before `ray.init()` does not
+    switch the metric off for the life of the process.
+    """
+    metric = _created.get(name)
+    if metric is not None:
+        return metric
     kind, description, tag_keys = METRICS[name]
     try:
         import ray
@@ -50,47 +60,52 @@ def _metric(name: str) -> Any:
         if not ray.is_initialized():
             return None
         if kind == "counter":
-            return ray_metrics.Counter(name, description=description, tag_keys=tag_keys)
-        if kind == "gauge":
-            return ray_metrics.Gauge(name, description=description, tag_keys=tag_keys)
-        return ray_metrics.Histogram(
-            name, description=description, boundaries=_LATENCY_BOUNDARIES_MS, tag_keys=tag_keys
-        )
+            metric = ray_metrics.Counter(name, description=description, tag_keys=tag_keys)
+        elif kind == "gauge":
+            metric = ray_metrics.Gauge(name, description=description, tag_keys=tag_keys)
+        else:
+            metric = ray_metrics.Histogram(
+                name, description=description, boundaries=_LATENCY_BOUNDARIES_MS, tag_keys=tag_keys
+            )
     except Exception:  # metrics must never break the data path
         logger.debug("metric %s unavailable", name, exc_info=True)
         return None
+    _created[name] = metric
+    return metric
 
 
-def _tags(name: str, tags: dict[str, str] | None) -> dict[str, str] | None:
-    keys: Sequence[str] = METRICS[name][2]
-    return {k: str((tags or {})[k]) for k in keys} if keys else None
+def _tags(name: str, tags: dict[str, str]) -> dict[str, str] | None:
+    """Check the tags against the metric's fixed tag keys: a mismatch is a programming error."""
+    if name not in METRICS:
+        raise InvalidInputError(f"unknown metric {name!r}; known: {', '.join(sorted(METRICS))}")
+    keys = METRICS[name][2]
+    if set(tags) != set(keys):
+        raise InvalidInputError(f"metric {name!r} takes tags {sorted(keys)}, got {sorted(tags)}")
+    return {k: str(tags[k]) for k in keys} if keys else None
+
+
+def _record(name: str, method: str, value: float, tags: dict[str, str]) -> None:
+    checked = _tags(name, tags)
+    metric = _metric(name)
+    if metric is None:
+        return
+    try:
+        getattr(metric, method)(value, tags=checked)
+    except Exception:  # a metrics hiccup must never fail a cache operation
+        logger.debug("metric %s %s failed", name, method, exc_info=True)
 
 
 def inc(name: str, value: float = 1.0, **tags: str) -> None:
     """Add `value` to counter `name` (no-op without Ray or for value 0)."""
-    metric = _metric(name)
-    if metric is not None and value:
-        try:
-            metric.inc(value, tags=_tags(name, tags))
-        except Exception:
-            logger.debug("metric %s inc failed", name, exc_info=True)
+    if value:
+        _record(name, "inc", value, tags)
 
 
 def set_gauge(name: str, value: float, **tags: str) -> None:
     """Set gauge `name`."""
-    metric = _metric(name)
-    if metric is not None:
-        try:
-            metric.set(value, tags=_tags(name, tags))
-        except Exception:
-            logger.debug("metric %s set failed", name, exc_info=True)
+    _record(name, "set", value, tags)
 
 
 def observe(name: str, value: float, **tags: str) -> None:
     """Record one observation in histogram `name`."""
-    metric = _metric(name)
-    if metric is not None:
-        try:
-            metric.observe(value, tags=_tags(name, tags))
-        except Exception:
-            logger.debug("metric %s observe failed", name, exc_info=True)
+    _record(name, "observe", value, tags)

@@ -543,8 +543,13 @@ def test_known_policies_are_accepted_case_insensitively(policy: str) -> None:
 
 
 def test_module_class_policy_is_accepted() -> None:
-    cfg = RayKVConfig(remote_cache_policy="my_pkg.policies:Hyperbolic")
-    assert cfg.policy_for("remote") == "my_pkg.policies:Hyperbolic"
+    cfg = RayKVConfig(remote_cache_policy="raykv.policies.lru:LRUPolicy")
+    assert cfg.policy_for("remote") == "raykv.policies.lru:LRUPolicy"
+
+
+def test_module_class_policy_that_cannot_be_imported_fails_at_load() -> None:
+    with pytest.raises(ConfigError, match="remote_cache_policy=.*cannot be loaded"):
+        RayKVConfig(remote_cache_policy="my_pkg.policies:Hyperbolic")
 
 
 @pytest.mark.parametrize(
@@ -568,15 +573,6 @@ def test_policy_names_come_from_the_policy_registry_when_it_exists(
     assert RayKVConfig(cache_policy="TinyLFU").cache_policy == "TinyLFU"
     with pytest.raises(ConfigError, match="allowed.*lru, tinylfu"):
         RayKVConfig(cache_policy="sieve")
-
-
-def test_policy_names_fall_back_to_the_fixed_list_without_the_registry(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setitem(sys.modules, "raykv.policies", None)  # import raises ImportError
-    assert RayKVConfig(cache_policy="SIEVE").cache_policy == "SIEVE"
-    with pytest.raises(ConfigError, match="allowed.*arc, clock, fifo"):
-        RayKVConfig(cache_policy="tinylfu")
 
 
 @pytest.mark.parametrize(
@@ -741,7 +737,7 @@ _plain = st.recursive(
 )
 _policy = st.sampled_from(
     ["LRU", "lru", "LFU", "fifo", "MRU", "filo", "slru", "priority", "S3FIFO", "sieve", "arc"]
-    + ["clock", "pkg.mod:MyPolicy"]
+    + ["clock", "raykv.policies.lru:LRUPolicy"]
 )
 _name = st.from_regex(config_mod._NAME_RE, fullmatch=True)
 _userinfo = st.text("abcXYZ019-_.~!$&'()*+,;=%", min_size=1, max_size=12)

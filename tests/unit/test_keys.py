@@ -155,6 +155,7 @@ def test_cache_keys_are_hashable_and_orderable():
         "%41@1@0@" + "0" * 32 + "@float16",
         "m@1@0@" + "0" * 32 + "@float16@extra",
         "m@1@3@" + "0" * 32 + "@float16",
+        "m@\u00b2@0@" + "0" * 32 + "@float16",
     ],
 )
 def test_malformed_key_strings_are_rejected(text):
