@@ -197,8 +197,12 @@ def encode(data: np.ndarray, meta: PayloadMeta, key: str = "", serde: str = "raw
     return out
 
 
-def read_header(buf: Any) -> Header:
-    """Parse and check a header; needs only the header's bytes (not the body)."""
+def read_header(buf: Any, max_nbytes: int = MAX_PAYLOAD_BYTES) -> Header:
+    """Parse and check a header; needs only the header's bytes (not the body).
+
+    A reader that allocates from the declared size should pass a tight `max_nbytes`
+    (e.g. its tier capacity): a header checksum is no defence against a hostile writer.
+    """
     view = memoryview(buf).cast("B")
     if len(view) < _FIXED.size:
         raise PayloadError(f"truncated header: {len(view)} bytes, need at least {_FIXED.size}")
@@ -219,8 +223,10 @@ def read_header(buf: Any) -> Header:
         raise PayloadError(f"unknown serde code {serde}")
     if dcode not in _DTYPE_BY_CODE or lcode not in _LAYOUT_BY_CODE:
         raise PayloadError(f"unknown dtype code {dcode} or layout code {lcode}")
-    if nbytes > MAX_PAYLOAD_BYTES:
-        raise PayloadError(f"declared size {nbytes} exceeds the limit {MAX_PAYLOAD_BYTES}")
+    if nbytes > min(max_nbytes, MAX_PAYLOAD_BYTES):
+        raise PayloadError(
+            f"declared size {nbytes} exceeds the limit {min(max_nbytes, MAX_PAYLOAD_BYTES)}"
+        )
     shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
     try:
         key = bytes(view[_FIXED.size + 8 * ndim : header_len - _HEADER_SUM.size]).decode("utf-8")
