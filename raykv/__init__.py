@@ -6,6 +6,8 @@ Only the names in `__all__` are public; everything else may change.
 from __future__ import annotations
 
 from raykv.config import RayKVConfig
+from raykv.connector import GPUConnector
+from raykv.engine import KVCache, KVTarget, connect
 from raykv.errors import (
     ConfigError,
     InvalidInputError,
@@ -21,6 +23,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "connect",
+    "KVCache",
+    "KVTarget",
+    "GPUConnector",
     "RayKVConfig",
     "CacheKey",
     "ChunkSpan",

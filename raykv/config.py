@@ -92,6 +92,7 @@ class RayKVConfig:
     pin_lease_secs: float = 300.0  # a pin taken by lookup(pin=True) expires after this long
     # --- runtime ---
     use_layerwise: bool = False  # GPU connector moves KV layer by layer (overlaps with compute)
+    worker_num_gpus: float = 0.0  # GPUs a GPU worker actor reserves (0: CPU-only, as in tests)
     namespace: str = "raykv"  # Ray namespace of the raykv actors; one cache per namespace
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
@@ -328,6 +329,7 @@ def _validate(cfg: RayKVConfig) -> None:
         0 <= cfg.worker_id < cfg.world_size,
         f"must be in [0, world_size={cfg.world_size})",
     )
+    _require(cfg, "worker_num_gpus", cfg.worker_num_gpus >= 0, "must be >= 0")
     _require(cfg, "kv_dtype", cfg.kv_dtype in KV_DTYPES, f"allowed: {', '.join(KV_DTYPES)}")
     _require(cfg, "model_name", bool(cfg.model_name), "must be a non-empty string")
     _require(

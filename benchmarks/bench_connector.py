@@ -1,0 +1,192 @@
+"""GPUConnector throughput, and the ideal TTFT gain of prefix KV reuse on the demo model.
+
+Part 1 moves one request's KV (chunks of 256 tokens) between engine buffers and
+`KV_2LTD` host payloads with `to_payloads` / `from_payloads`, for the paged layout
+(random, non-contiguous blocks) and the contiguous layout, and compares the GB/s
+with plain torch ops on the same bytes: on CPU `index_select` (the same gather) and
+`clone()` (a memcpy); on CUDA `tensor.to("cpu")` / `tensor.to("cuda")` of one
+contiguous tensor of the same size.
+
+Part 2 times a full prefill of prefix + 256-token suffix against a prefill of the
+suffix alone with the prefix KV already in the model's cache: the speedup a cache
+hit could give at best (loading the KV is not counted).
+
+    python benchmarks/bench_connector.py [--quick] [--device cuda] [--skip-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from raykv.connector import GPUConnector
+
+CHUNK = 256
+BLOCK = 16
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, sync: bool) -> float:
+    """Median wall time of `fn` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_connector(args: argparse.Namespace) -> None:
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    tokens = args.tokens
+    spans = [(a, min(a + CHUNK, tokens)) for a in range(0, tokens, CHUNK)]
+    starts = [a for a, _ in spans]
+    print(
+        f"\n== connector: {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} "
+        f"head_dim, {args.dtype}, {tokens} tokens in {len(spans)} chunks, device {device}"
+    )
+    for layout in ("paged", "contiguous"):
+        conn = GPUConnector(args.layers, args.kv_heads, args.head_dim, dtype, device, layout, BLOCK)
+        nbytes = conn.bytes_per_token() * tokens
+        if layout == "paged":
+            num_blocks = 2 * tokens // BLOCK  # half the blocks are used, in random order
+            bufs = conn.allocate_buffers(num_blocks)
+            blocks = torch.randperm(num_blocks)[: tokens // BLOCK]
+            slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1).to(device)
+        else:
+            bufs = conn.allocate_buffers(tokens)
+            slots = None
+        for b in bufs:
+            b.normal_()
+        payloads = conn.to_payloads(bufs, spans, slots)
+
+        def store(conn=conn, bufs=bufs, slots=slots) -> object:
+            return conn.to_payloads(bufs, spans, slots)
+
+        def load(conn=conn, bufs=bufs, slots=slots, payloads=payloads) -> None:
+            conn.from_payloads(payloads, bufs, starts, slots)
+
+        t_store = median_seconds(store, args.repeats, cuda)
+        t_load = median_seconds(load, args.repeats, cuda)
+        if cuda:
+            dev_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            host_src = torch.empty(nbytes, dtype=torch.uint8)
+            base_store = median_seconds(lambda: dev_src.to("cpu"), args.repeats, True)
+            base_load = median_seconds(lambda: host_src.to(device), args.repeats, True)
+            names = ("tensor.to('cpu')", "tensor.to('cuda')")
+        else:
+            flat = [b.view(2, -1, conn.hidden).reshape(-1, conn.hidden) for b in bufs]
+            num_slots = flat[0].shape[0] // 2
+            rows = slots if slots is not None else torch.arange(tokens)
+            both = torch.cat([rows, rows + num_slots])
+
+            def gather() -> object:
+                return [f.index_select(0, both) for f in flat]
+
+            same = torch.empty(nbytes // dtype.itemsize, dtype=dtype).normal_()
+            base_store = median_seconds(gather, args.repeats, False)
+            base_load = median_seconds(same.clone, args.repeats, False)
+            names = ("index_select", "clone()")
+        gb = nbytes / 1e9
+        print(
+            f"{layout:>10} to_payloads   {gb / t_store:6.2f} GB/s ({t_store * 1e3:7.2f} ms)   "
+            f"{names[0]:>16} {gb / base_store:6.2f} GB/s   ratio {base_store / t_store:.2f}"
+        )
+        print(
+            f"{layout:>10} from_payloads {gb / t_load:6.2f} GB/s ({t_load * 1e3:7.2f} ms)   "
+            f"{names[1]:>16} {gb / base_load:6.2f} GB/s   ratio {base_load / t_load:.2f}"
+        )
+
+
+def bench_model(args: argparse.Namespace) -> None:
+    from transformers import DynamicCache
+
+    from raykv.model import build_demo_model, prefill, prefill_suffix
+
+    model = build_demo_model(seed=0, device=args.device)
+    suffix = 256
+    prefixes = [1024, 4096] if args.quick else [1024, 4096, 8192]
+    repeats = 1 if args.quick else 3
+    cuda = torch.device(args.device).type == "cuda"
+    print(
+        f"\n== prefill on the demo model (8 layers, hidden 512, fp32, {args.device}), "
+        f"suffix {suffix} tokens, median of {repeats} after a warm-up"
+    )
+    print(f"{'':>7} {'--- wall seconds ---':>31} {'--- process CPU seconds ---':>33}")
+    print(
+        f"{'prefix':>7} {'full':>9} {'suffix-only':>12} {'speedup':>9}"
+        f" {'full':>9} {'suffix-only':>12} {'speedup':>9}"
+    )
+    g = torch.Generator().manual_seed(0)
+    for p in prefixes:
+        tokens = torch.randint(0, model.config.vocab_size, (p + suffix,), generator=g)
+        _, prefix_cache = prefill(model, tokens[:p], logits_to_keep=1)
+        kv = [(layer.keys, layer.values) for layer in prefix_cache.layers]
+
+        def timed(fn: Callable[[], object]) -> tuple[float, float]:
+            """(wall, process CPU) seconds: CPU time is steadier on a shared machine."""
+            if cuda:
+                torch.cuda.synchronize()
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - w0, time.process_time() - c0
+
+        def full(tokens=tokens) -> object:
+            return prefill(model, tokens, logits_to_keep=suffix)
+
+        def warm(tokens=tokens, kv=kv, p=p) -> tuple[float, float]:
+            cache = DynamicCache(ddp_cache_data=kv, config=model.config)  # not timed
+            return timed(lambda: prefill_suffix(model, cache, tokens[p:], p, logits_to_keep=suffix))
+
+        full()
+        fulls = [timed(full) for _ in range(repeats)]
+        warm()
+        warms = [warm() for _ in range(repeats)]
+        fw, fc = (statistics.median(x) for x in zip(*fulls, strict=True))
+        ww, wc = (statistics.median(x) for x in zip(*warms, strict=True))
+        print(
+            f"{p:>7} {fw:>9.3f} {ww:>12.3f} {fw / ww:>8.1f}x"
+            f" {fc:>9.3f} {wc:>12.3f} {fc / wc:>8.1f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=None, help="default 2048, 512 with --quick")
+    parser.add_argument("--repeats", type=int, default=None, help="default 10, 3 with --quick")
+    parser.add_argument("--skip-model", action="store_true", help="only the connector part")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is steadier on a busy box)"
+    )
+    args = parser.parse_args()
+    args.tokens = args.tokens or (512 if args.quick else 2048)
+    args.repeats = args.repeats or (3 if args.quick else 10)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    torch.manual_seed(0)
+    bench_connector(args)
+    if not args.skip_model:
+        bench_model(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,636 @@
+"""L1: the CPU tier, chunks held as Ray objects that this store owns.
+
+`CPUStore` is a plain class (index, byte budget, eviction policy, pins, leases),
+unit-tested without Ray; `CPUStoreActor` is the thin async Ray actor around it.
+
+Ownership: `ray.put(_owner=)` is gone, so the store makes every object it indexes
+its own. `put` re-puts the client's batch (one `ray.put` per request, one copy);
+`pull` calls a source actor's `get_batch` with `num_returns=2` and keeps the second
+return (the caller of a task owns its returns), which costs no copy in this process.
+Either way the data outlives the writer. Evicting drops this store's reference and
+Ray frees the memory once no borrower (the manager, a reading client) still holds it.
+
+Budget: objects are whole request batches, so the store counts *physical* bytes:
+a batch is charged in full until its last live chunk is evicted. Inserting a
+request's chunks deepest-first and touching them the same way (prefix-closed) makes
+the deep chunks of one request leave together, which keeps the gap between
+physical and live bytes (`fragmentation` in `stats()`) small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from raykv import metrics
+from raykv.actors.base import TIER_CPU, ChunkRef
+from raykv.keys import CacheKey
+from raykv.payload import PayloadMeta
+from raykv.policies import make_policy
+
+try:  # the prefix-closed helper of raykv.policies; fall back to touching in reverse
+    from raykv.policies import touch_prefix
+except ImportError:  # pragma: no cover - only while raykv.policies lacks it
+
+    def touch_prefix(policy: Any, keys: Sequence[Any]) -> None:
+        for key in reversed(keys):
+            policy.touch(key)
+
+
+logger = logging.getLogger(__name__)
+
+# Ray's object store should exceed the CPU budget by this factor, or Ray spills silently.
+OBJECT_STORE_HEADROOM = 1.2
+# Re-puts larger than this run in a thread, so the event loop keeps serving unpins.
+_THREAD_PUT_BYTES = 8 << 20
+# A policy's `capacity` is an object count; size it for chunks of about this many bytes.
+_TYPICAL_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One Ray object holding `list[np.ndarray]`; freed when its last live chunk goes."""
+
+    ref: Any
+    nbytes: int
+    live: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    batch: _Batch
+    chunk: ChunkRef
+    nbytes: int
+    pins: int = 0
+
+
+@dataclass(slots=True)
+class _Lease:
+    deadline: float
+    entries: list[_Entry] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CPUAck:
+    """Reply of `CPUStoreActor.put` / `pull`.
+
+    `refs` maps every requested key now readable to its `ChunkRef`: keys accepted
+    now, keys already cached (the first put wins), and, for pulls, chunks served but
+    not cached for lack of room. `accepted` and `present` are what the CPU index
+    holds; `evicted` left the index to make room; `skipped` were not cached;
+    `missing` (pulls only) the source did not have.
+    """
+
+    incarnation: str
+    refs: dict[CacheKey, ChunkRef] = field(default_factory=dict)
+    accepted: list[CacheKey] = field(default_factory=list)
+    present: list[CacheKey] = field(default_factory=list)
+    evicted: list[CacheKey] = field(default_factory=list)
+    skipped: list[CacheKey] = field(default_factory=list)
+    missing: list[CacheKey] = field(default_factory=list)
+
+
+class CPUStore:
+    """The CPU tier's index: key -> (batch object, index, meta, bytes, pins).
+
+    Not thread-safe; the actor calls it from its event loop only.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str = "lru",
+        *,
+        policy_capacity: int | None = None,
+        lease_secs: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity = int(capacity_bytes)
+        self.policy_name = policy
+        n_objects = policy_capacity or max(1024, self.capacity // _TYPICAL_CHUNK_BYTES)
+        self._policy = make_policy(policy, n_objects)
+        self._entries: dict[CacheKey, _Entry] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._lease_secs = lease_secs
+        self._clock = clock
+        self.used_bytes = 0  # physical: sum of the sizes of live batches
+        self.live_bytes = 0  # sum of the sizes of indexed chunks
+        self.reserved_bytes = 0  # promised to puts whose re-put is still running
+        self.batches = 0
+        self.evictions = 0
+        self.skipped = 0
+        self.expired_leases = 0
+
+    # ----- queries -----
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[CacheKey]:
+        return list(self._entries)
+
+    def chunk_refs(self, keys: Sequence[CacheKey]) -> list[ChunkRef | None]:
+        """The `ChunkRef` of each key, None where absent."""
+        entries = self._entries
+        return [e.chunk if (e := entries.get(k)) is not None else None for k in keys]
+
+    def snapshot(self) -> dict[CacheKey, ChunkRef]:
+        """Every cached key with its `ChunkRef` (for a manager rebuilding its index)."""
+        return {k: e.chunk for k, e in self._entries.items()}
+
+    def pins(self, key: CacheKey) -> int:
+        entry = self._entries.get(key)
+        return entry.pins if entry is not None else 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes - self.reserved_bytes
+
+    # ----- allocation -----
+
+    def _can_evict(self, key: CacheKey) -> bool:
+        return self._entries[key].pins == 0
+
+    def make_room(self, nbytes: int) -> tuple[bool, list[CacheKey]]:
+        """Evict unpinned entries by policy until `nbytes` fit; (fits, evicted keys).
+
+        Never evicts a pinned entry. When it cannot make enough room it has evicted
+        every evictable entry (those never fit in the budget anyway).
+        """
+        evicted: list[CacheKey] = []
+        if nbytes > self.capacity:
+            return False, evicted
+        while self.free_bytes < nbytes:
+            victims = self._policy.evict(1, self._can_evict)
+            if not victims:
+                return False, evicted
+            for key in victims:
+                self._drop(key)
+                evicted.append(key)
+        return True, evicted
+
+    def allocate(self, sizes: Sequence[int], *, partial: bool) -> tuple[int, list[CacheKey]]:
+        """Make room for chunks of `sizes` and reserve it; (how many fit, evicted keys).
+
+        All or nothing unless `partial`, which takes the longest prefix that fits
+        (earlier chunks of a request are worth more: later ones need them).
+        """
+        total = sum(sizes)
+        fits, evicted = self.make_room(total)
+        if fits:
+            self.reserved_bytes += total
+            return len(sizes), evicted
+        if not partial:
+            return 0, evicted
+        n, room, taken = 0, self.free_bytes, 0
+        while n < len(sizes) and taken + sizes[n] <= room:
+            taken += sizes[n]
+            n += 1
+        self.reserved_bytes += taken
+        return n, evicted
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that will not be committed."""
+        self.reserved_bytes -= nbytes
+
+    def commit(
+        self,
+        ref: Any,
+        keys: Sequence[CacheKey],
+        metas: Sequence[PayloadMeta],
+        indices: Sequence[int] | None = None,
+        *,
+        batch_bytes: int | None = None,
+        reserved: int = 0,
+        lookup_id: str | None = None,
+    ) -> dict[CacheKey, ChunkRef]:
+        """Index `keys[i]` as chunk `indices[i]` of the batch object `ref`.
+
+        `batch_bytes` is the object's physical size (default: the chunks' sizes);
+        `reserved` the reservation it replaces. Keys already cached keep their first
+        copy. Chunks go into the policy deepest first, so the first chunk of a request
+        is the most recently used. With `lookup_id` the new entries are pinned under it
+        at once (a prefetch must not lose them before its get).
+        """
+        indices = range(len(keys)) if indices is None else indices
+        entries = self._entries
+        new = [(k, m, i) for k, m, i in zip(keys, metas, indices, strict=True) if k not in entries]
+        self.reserved_bytes -= reserved
+        if not new:
+            return {}
+        size = sum(m.nbytes for _, m, _ in new) if batch_bytes is None else batch_bytes
+        batch = _Batch(ref, size, live=len(new))
+        self.used_bytes += size
+        self.batches += 1
+        out: dict[CacheKey, ChunkRef] = {}
+        for key, meta, index in new:
+            chunk = ChunkRef(ref, index, meta)
+            self._entries[key] = _Entry(batch, chunk, meta.nbytes)
+            self.live_bytes += meta.nbytes
+            out[key] = chunk
+        for key, _, _ in reversed(new):
+            self._policy.insert(key)
+        if lookup_id is not None:
+            self.pin(lookup_id, list(out))
+        return out
+
+    def _drop(self, key: CacheKey) -> None:
+        entry = self._entries.pop(key)
+        self.live_bytes -= entry.nbytes
+        batch = entry.batch
+        batch.live -= 1
+        if batch.live == 0:
+            self.used_bytes -= batch.nbytes
+            self.batches -= 1
+            batch.ref = None  # the store's reference goes; Ray frees the object
+        self.evictions += 1
+
+    def remove(self, keys: Sequence[CacheKey]) -> int:
+        """Drop keys (pinned or not); returns how many were held."""
+        n = 0
+        for key in keys:
+            if key in self._entries:
+                self._policy.remove(key)
+                self._drop(key)
+                self.evictions -= 1  # an explicit removal is not an eviction
+                n += 1
+        return n
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._leases.clear()
+        self._policy.clear()
+        self.used_bytes = self.live_bytes = self.batches = 0
+
+    # ----- pins, leases, touches -----
+
+    def pin(self, lookup_id: str, keys: Sequence[CacheKey], lease_secs: float | None = None) -> int:
+        """Pin the cached `keys` under `lookup_id` until `unpin` or the lease ends."""
+        lease = self._leases.get(lookup_id)
+        deadline = self._clock() + (self._lease_secs if lease_secs is None else lease_secs)
+        if lease is None:
+            lease = self._leases[lookup_id] = _Lease(deadline)
+        lease.deadline = max(lease.deadline, deadline)
+        n = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.pins += 1
+                lease.entries.append(entry)
+                n += 1
+        return n
+
+    def unpin(self, lookup_id: str) -> int:
+        """Release every pin taken under `lookup_id`; returns how many."""
+        lease = self._leases.pop(lookup_id, None)
+        if lease is None:
+            return 0
+        # The lease holds the entries it pinned, so a key evicted and re-added since
+        # is not unpinned by mistake.
+        for entry in lease.entries:
+            entry.pins -= 1
+        return len(lease.entries)
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Unpin leases past their deadline (their client died or forgot); their ids."""
+        now = self._clock() if now is None else now
+        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lookup_id in expired:
+            self.unpin(lookup_id)
+        self.expired_leases += len(expired)
+        return expired
+
+    def next_lease_deadline(self) -> float | None:
+        return min((lease.deadline for lease in self._leases.values()), default=None)
+
+    def touch(self, keys: Sequence[CacheKey]) -> None:
+        """Apply a request's hits at once, prefix-closed (the first chunk ends most recent)."""
+        touch_prefix(self._policy, keys)
+
+    # ----- reporting -----
+
+    def stats(self) -> dict[str, Any]:
+        pinned = sum(1 for e in self._entries.values() if e.pins)
+        return {
+            "tier": TIER_CPU,
+            "policy": self.policy_name,
+            "entries": len(self._entries),
+            "used_bytes": self.used_bytes,
+            "live_bytes": self.live_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "capacity_bytes": self.capacity,
+            "batches": self.batches,
+            "fragmentation": 1.0 - self.live_bytes / self.used_bytes if self.used_bytes else 0.0,
+            "pinned_entries": pinned,
+            "leases": len(self._leases),
+            "evictions": self.evictions,
+            "skipped": self.skipped,
+            "expired_leases": self.expired_leases,
+        }
+
+
+def object_store_bytes() -> int | None:
+    """Ray's object store size on this node (None if unknown)."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("Alive", True):
+                return int(node["Resources"].get("object_store_memory", 0)) or None
+    except Exception:
+        logger.debug("cannot read the object store size", exc_info=True)
+    return None
+
+
+def check_object_store(capacity_bytes: int) -> bool:
+    """Warn if Ray's object store cannot hold the CPU budget plus headroom (Ray would spill)."""
+    have = object_store_bytes()
+    want = int(capacity_bytes * OBJECT_STORE_HEADROOM)
+    if have is not None and have < want:
+        logger.warning(
+            "raykv CPU tier budget is %.2f GiB but Ray's object store on this node is %.2f GiB; "
+            "it needs at least %.2f GiB (budget + %d%% headroom) or Ray will spill to disk "
+            "and stall. Lower max_local_cpu_size or start Ray with a larger "
+            "object_store_memory.",
+            capacity_bytes / 2**30,
+            have / 2**30,
+            want / 2**30,
+            round((OBJECT_STORE_HEADROOM - 1) * 100),
+        )
+        return False
+    return True
+
+
+@ray.remote
+class CPUStoreActor:
+    """The CPU tier as an async Ray actor around one `CPUStore`.
+
+    Async so that a put waiting for room never blocks the unpin that frees it; no
+    lock is held across an await.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str = "lru",
+        *,
+        blocking_timeout_secs: float = 10.0,
+        pin_lease_secs: float = 300.0,
+    ) -> None:
+        self._store = CPUStore(capacity_bytes, policy, lease_secs=pin_lease_secs)
+        self._timeout = blocking_timeout_secs
+        self._incarnation = uuid.uuid4().hex
+        self._room: asyncio.Event | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._sweep_every = min(max(pin_lease_secs / 4, 0.05), 5.0)
+        self._object_store_ok = check_object_store(capacity_bytes)
+
+    # ----- plumbing -----
+
+    def _room_event(self) -> asyncio.Event:
+        if self._room is None:
+            self._room = asyncio.Event()
+        return self._room
+
+    def _signal_room(self) -> None:
+        """Wake every put waiting for room (each re-checks; a fresh event for later waiters)."""
+        event, self._room = self._room, asyncio.Event()
+        if event is not None:
+            event.set()
+
+    def _start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_every)
+            expired = self._store.expire_leases()
+            if expired:
+                logger.info("released the pins of %d expired lookups", len(expired))
+                self._signal_room()
+
+    def _record(self, ack: CPUAck) -> CPUAck:
+        store = self._store
+        policy = store.policy_name
+        if ack.evicted:
+            metrics.inc("raykv_evictions", len(ack.evicted), tier=TIER_CPU, policy=policy)
+        metrics.set_gauge("raykv_used_bytes", store.used_bytes, tier=TIER_CPU, policy=policy)
+        metrics.set_gauge("raykv_entries", len(store), tier=TIER_CPU, policy=policy)
+        return ack
+
+    async def _allocate(self, sizes: list[int], *, wait: bool) -> tuple[int, list[CacheKey]]:
+        """Reserve room for `sizes`, waiting up to the blocking timeout while pins hold it."""
+        store = self._store
+        evicted: list[CacheKey] = []
+        deadline = time.monotonic() + self._timeout
+        while True:
+            event = self._room_event()  # taken before the attempt: no wake-up is lost
+            n, ev = store.allocate(sizes, partial=False)
+            evicted += ev
+            if n == len(sizes) or not wait:
+                return n, evicted
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            store.expire_leases()
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        n, ev = store.allocate(sizes, partial=True)
+        return n, evicted + ev
+
+    def _readable(self, keys: list[CacheKey]) -> dict[CacheKey, ChunkRef]:
+        chunks = self._store.chunk_refs(keys)
+        return {k: c for k, c in zip(keys, chunks, strict=True) if c is not None}
+
+    def _skip(self, ack: CPUAck, keys: list[CacheKey]) -> None:
+        if keys:
+            ack.skipped += keys
+            self._store.skipped += len(keys)
+            metrics.inc("raykv_skipped_stores", len(keys), tier=TIER_CPU)
+            logger.warning(
+                "CPU tier full of pinned chunks: %d chunk(s) not cached (%d pinned of %d)",
+                len(keys),
+                sum(1 for k in self._store.keys() if self._store.pins(k)),
+                len(self._store),
+            )
+
+    # ----- data path -----
+
+    async def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: list[ray.ObjectRef],
+        lookup_id: str | None = None,
+    ) -> CPUAck:
+        """Cache `ray.get(batch[0])[i]` under `keys[i]`, re-put as one object this store owns.
+
+        Waits up to `blocking_timeout_secs` for unpinned room, then skips what does not fit.
+        """
+        self._start()
+        store = self._store
+        ack = CPUAck(self._incarnation)
+        todo: dict[CacheKey, int] = {}
+        for i, key in enumerate(keys):
+            if key in store:
+                ack.present.append(key)
+            elif key not in todo:
+                todo[key] = i
+        if not todo:
+            ack.refs = self._readable(keys)
+            return ack
+        try:
+            arrays = await batch[0]
+        except Exception as exc:  # the writer died before we read its batch
+            logger.warning("put: cannot read the batch object (%s); nothing cached", exc)
+            ack.skipped = list(todo)
+            return ack
+        new = list(todo)
+        sizes = [metas[todo[k]].nbytes for k in new]
+        n, ack.evicted = await self._allocate(sizes, wait=True)
+        taken, left = new[:n], new[n:]
+        self._skip(ack, left)
+        if taken:
+            parts = [arrays[todo[k]] for k in taken]
+            nbytes = sum(sizes[:n])
+            try:
+                if nbytes >= _THREAD_PUT_BYTES:
+                    ref = await asyncio.to_thread(ray.put, parts)
+                else:
+                    ref = ray.put(parts)
+            except Exception:
+                store.release(nbytes)
+                raise
+            del parts, arrays
+            store.commit(
+                ref, taken, [metas[todo[k]] for k in taken], reserved=nbytes, lookup_id=lookup_id
+            )
+            ack.accepted = taken
+            metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
+        if ack.evicted:
+            self._signal_room()
+        ack.refs = self._readable(keys)
+        return self._record(ack)
+
+    async def pull(self, source: Any, keys: list[CacheKey], lookup_id: str | None = None) -> CPUAck:
+        """Load `keys` from a tier or producer actor's `get_batch` and keep the object.
+
+        The store calls `source.get_batch.options(num_returns=2)` and keeps the second
+        return, so it owns the arrays without copying them. Chunks that do not fit
+        right now are still returned in `refs` (served, not cached): a read never
+        waits for room. A failed source is a miss for every key.
+        """
+        self._start()
+        store = self._store
+        ack = CPUAck(self._incarnation)
+        try:
+            metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
+            metas = await metas_ref
+        except Exception as exc:
+            logger.warning("pull of %d chunks failed (%s); counted as misses", len(keys), exc)
+            ack.missing = list(keys)
+            return ack
+        hits = [i for i, m in enumerate(metas) if m is not None]
+        ack.missing = [k for k, m in zip(keys, metas, strict=True) if m is None]
+        if not hits:
+            return ack
+        # The object's physical size covers every hit, cached here or not.
+        batch_bytes = sum(metas[i].nbytes for i in hits)
+        new = [i for i in hits if keys[i] not in store]
+        ack.present = [keys[i] for i in hits if keys[i] in store]
+        if new:
+            n, ack.evicted = await self._allocate([batch_bytes], wait=False)
+            if n:
+                store.commit(
+                    arrays_ref,
+                    [keys[i] for i in new],
+                    [metas[i] for i in new],
+                    new,
+                    batch_bytes=batch_bytes,
+                    reserved=batch_bytes,
+                    lookup_id=lookup_id,
+                )
+                ack.accepted = [keys[i] for i in new]
+                metrics.inc("raykv_stored_bytes", batch_bytes, tier=TIER_CPU)
+            else:
+                self._skip(ack, [keys[i] for i in new])
+        if lookup_id is not None and ack.present:
+            store.pin(lookup_id, ack.present)
+        cached = store.chunk_refs(keys)
+        for i in hits:
+            ack.refs[keys[i]] = cached[i] or ChunkRef(arrays_ref, i, metas[i])
+        if ack.evicted:
+            self._signal_room()
+        return self._record(ack)
+
+    # ----- control (one message each; the manager sends them without waiting) -----
+
+    async def pin(
+        self, lookup_id: str, keys: list[CacheKey], lease_secs: float | None = None
+    ) -> int:
+        self._start()
+        return self._store.pin(lookup_id, keys, lease_secs)
+
+    async def unpin(self, lookup_id: str) -> int:
+        n = self._store.unpin(lookup_id)
+        if n:
+            self._signal_room()
+        return n
+
+    async def release(self, lookup_id: str | None, touched: list[CacheKey]) -> None:
+        """End of a request: drop its pins and apply its hits as one prefix-closed touch."""
+        if lookup_id is not None and self._store.unpin(lookup_id):
+            self._signal_room()
+        if touched:
+            self._store.touch(touched)
+
+    async def touch(self, keys: list[CacheKey]) -> None:
+        self._store.touch(keys)
+
+    async def chunk_refs(self, keys: list[CacheKey]) -> list[ChunkRef | None]:
+        return self._store.chunk_refs(keys)
+
+    async def contains(self, keys: list[CacheKey]) -> list[bool]:
+        return [k in self._store for k in keys]
+
+    async def snapshot(self) -> tuple[str, dict[CacheKey, ChunkRef]]:
+        """(incarnation, every cached key's ChunkRef), for a manager rebuilding its index."""
+        return self._incarnation, self._store.snapshot()
+
+    async def remove(self, keys: list[CacheKey]) -> int:
+        n = self._store.remove(keys)
+        if n:
+            self._signal_room()
+        return n
+
+    async def keys(self) -> list[CacheKey]:
+        return self._store.keys()
+
+    async def clear(self) -> None:
+        self._store.clear()
+        self._signal_room()
+        self._record(CPUAck(self._incarnation))
+
+    async def stats(self) -> dict[str, Any]:
+        out = self._store.stats()
+        out["incarnation"] = self._incarnation
+        out["object_store_bytes"] = object_store_bytes()
+        out["object_store_ok"] = self._object_store_ok
+        return out
+
+    async def incarnation(self) -> str:
+        return self._incarnation

@@ -1,0 +1,849 @@
+"""StorageManager: the one entry point of the cache, an async Ray actor over the tiers.
+
+One client call per request; every call to a tier is batched. The manager keeps an
+index it answers lookups from without asking each tier in turn:
+
+* CPU: key -> `ChunkRef` (refs borrowed from the CPUStore), updated from every put
+  and pull reply, evicted keys included. Borrowing keeps an object alive while the
+  manager (or a client it handed the ref to) still holds it, so a chunk evicted
+  between a lookup and its get is still read correctly.
+* disk and remote: sets of keys believed present, updated from `PutAck`s. A stale
+  positive costs a miss when a pull finds the key missing, and is corrected then.
+
+Keys that no index knows are asked of the remote tier (other instances may have
+written them) in one call bounded by `lookup_timeout_ms`.
+
+Restarts: every CPU reply carries the CPUStore's incarnation, and a background task
+polls every tier's `incarnation()`; a change resyncs that tier's index (a restarted
+CPUStore lost its objects, a restarted disk tier rebuilt from its files). A
+restarted manager rebuilds its whole index from the tiers.
+
+Keys are passed as `ChunkSpan`s (token range + key) so that answers are in tokens:
+a hit prefix of n chunks is worth `spans[n-1].end` tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raykv import metrics
+from raykv.actors.base import (
+    ACTOR_OPTIONS,
+    CPU_STORE_NAME,
+    DISK_STORE_NAME,
+    REMOTE_STORE_NAME,
+    STORAGE_MANAGER_NAME,
+    TIER_CPU,
+    TIER_DISK,
+    TIER_ORDER,
+    TIER_REMOTE,
+    ChunkRef,
+    PutAck,
+)
+from raykv.actors.cpu_store import CPUAck, CPUStoreActor
+from raykv.config import RayKVConfig
+from raykv.errors import InvalidInputError
+from raykv.keys import CacheKey, ChunkSpan
+from raykv.payload import PayloadMeta
+
+logger = logging.getLogger(__name__)
+
+# How often the manager asks every tier for its incarnation (restart detection).
+RESYNC_INTERVAL_SECS = 1.0
+# Bound on control calls (incarnation, keys, stats) to a tier that may be restarting.
+CONTROL_TIMEOUT_SECS = 10.0
+
+
+@dataclass(slots=True)
+class PutResult:
+    """What `put` did in the CPU tier (disk and remote writes finish in the background)."""
+
+    stored: int = 0  # chunks newly cached in CPU
+    present: int = 0  # chunks already cached (the first put of a key wins)
+    skipped: int = 0  # chunks not cached in CPU: no unpinned room within the timeout
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    """The longest available prefix: `chunks[i]` holds the chunk of `spans[i]`.
+
+    Read a chunk with `ray.get(chunk.ref)[chunk.index]`; fetch the distinct refs of a
+    request with one `ray.get`. `tiers[i]` is where chunk i was found before it was
+    served from CPU.
+    """
+
+    chunks: list[ChunkRef] = field(default_factory=list)
+    hit_tokens: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def hit_chunks(self) -> int:
+        return len(self.chunks)
+
+    def mask(self, n_chunks: int) -> list[bool]:
+        """Hit mask over the request's chunks (a prefix of True)."""
+        return [i < len(self.chunks) for i in range(n_chunks)]
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A lookup with pins or a prefetch in flight, until its get, unpin or lease end."""
+
+    lookup_id: str
+    deadline: float
+    cpu_incarnation: str | None
+    ends: list[int] = field(default_factory=list)
+    refs: dict[CacheKey, ChunkRef] = field(default_factory=dict)
+    ready: int = 0  # chunks of the prefix ready in CPU
+    task: asyncio.Task | None = None
+    closed: bool = False
+
+
+class PackedSpans:
+    """A request's spans in a compact wire form: one key identity, the chunk hashes and
+    the token ends. Pickles far faster than a list of `ChunkSpan` (a 512-chunk lookup
+    spends most of its time (de)serialising CacheKeys otherwise); build it with `of`.
+    """
+
+    __slots__ = ("identity", "hashes", "ends")
+
+    def __init__(
+        self, identity: tuple[str, int, int, str], hashes: list[str], ends: list[int]
+    ) -> None:
+        self.identity = identity  # (model_name, world_size, worker_id, kv_dtype)
+        self.hashes = hashes
+        self.ends = ends
+
+    @classmethod
+    def of(cls, spans: Sequence[ChunkSpan]) -> PackedSpans | list[ChunkSpan]:
+        """Pack `spans`; returns them unchanged (a list) if their keys differ in identity."""
+        if not spans:
+            return list(spans)
+        k = spans[0].key
+        identity = (k.model_name, k.world_size, k.worker_id, k.kv_dtype)
+        for s in spans:
+            key = s.key
+            if (key.model_name, key.world_size, key.worker_id, key.kv_dtype) != identity:
+                return list(spans)
+        return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
+
+    def keys(self) -> list[CacheKey]:
+        model, world, worker, dtype = self.identity
+        return [CacheKey(model, world, worker, h, dtype) for h in self.hashes]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedSpans, (self.identity, self.hashes, self.ends))
+
+
+def _tokens(ends: Sequence[int], n: int) -> int:
+    return ends[n - 1] if n else 0
+
+
+def _as_key(item: CacheKey | ChunkSpan) -> CacheKey:
+    return item.key if isinstance(item, ChunkSpan) else item
+
+
+def _split(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey], list[int]]:
+    if isinstance(spans, PackedSpans):
+        return spans.keys(), list(spans.ends)
+    try:
+        return [s.key for s in spans], [s.end for s in spans]
+    except AttributeError:
+        raise InvalidInputError(
+            "expected a list of ChunkSpan (start, end, key), e.g. from KeyMaker.keys(tokens), "
+            "or PackedSpans.of(spans)"
+        ) from None
+
+
+def _remote_backend(url: str | None) -> str:
+    return (url or "").partition("://")[0] or "none"
+
+
+def _here() -> dict[str, Any]:
+    """Soft affinity to the calling node, so the tiers sit beside their first user."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
+
+
+def _actor_options(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        **ACTOR_OPTIONS,
+    }
+
+
+def get_or_create_tiers(config: RayKVConfig) -> dict[str, Any]:
+    """Create or attach the enabled tier actors of `config`, by name; tier -> handle."""
+    ns = config.namespace
+    tiers: dict[str, Any] = {}
+    if config.local_cpu:
+        tiers[TIER_CPU] = CPUStoreActor.options(
+            **_actor_options(CPU_STORE_NAME, ns), **_here()
+        ).remote(
+            config.max_local_cpu_bytes,
+            config.policy_for(TIER_CPU),
+            blocking_timeout_secs=config.blocking_timeout_secs,
+            pin_lease_secs=config.pin_lease_secs,
+        )
+    if config.local_disk:
+        from raykv.actors.disk_store import get_or_create_disk_store
+
+        # Node-scoped, pinned to this node: its directory is local.
+        tiers[TIER_DISK] = get_or_create_disk_store(config)
+    if config.remote_url:
+        from raykv.actors.remote_store import get_or_create_remote_store
+
+        # This node's connection to the shared remote (the data lives on the remote).
+        tiers[TIER_REMOTE] = get_or_create_remote_store(config)
+    return tiers
+
+
+def get_or_create_manager(config: RayKVConfig) -> Any:
+    """The `StorageManager` of `config.namespace`; it creates or attaches its tiers.
+
+    The manager is detached, so the cache outlives the driver that created it; it
+    creates the tier actors itself (on its node), so they do not die with the caller.
+    """
+    return StorageManager.options(
+        **_actor_options(STORAGE_MANAGER_NAME, config.namespace), **_here()
+    ).remote(config)
+
+
+def shutdown_manager(namespace: str) -> None:
+    """Kill the manager and tier actors of `namespace` (for tests and `raykv` tooling).
+
+    The remote's data (a `ray://` KVServer, a Redis server) is shared and left alone.
+    """
+    names = [STORAGE_MANAGER_NAME, CPU_STORE_NAME]
+    names += [
+        a["name"]
+        for a in _named_actors(namespace)
+        if a["name"].startswith((DISK_STORE_NAME, REMOTE_STORE_NAME))
+    ]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
+def _named_actors(namespace: str) -> list[dict[str, Any]]:
+    try:
+        return [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace
+        ]
+    except Exception:
+        return []
+
+
+@ray.remote
+class StorageManager:
+    """The cache's single entry point: write-all puts, prefix lookups across tiers,
+    prefetch into CPU, and gets that promote lower-tier hits into CPU.
+
+    Every method runs on one event loop (one concurrency group), so prefetch tasks
+    can be awaited by `wait` and `get`.
+    """
+
+    def __init__(self, config: RayKVConfig) -> None:
+        self._config = config
+        self._tiers = get_or_create_tiers(config)
+        self._order = [t for t in TIER_ORDER if t in self._tiers]
+        self._lower_tiers = [t for t in self._order if t != TIER_CPU]
+        self._cpu_handle = self._tiers.get(TIER_CPU)
+        self._cpu: dict[CacheKey, ChunkRef] = {}
+        self._lower: dict[str, set[CacheKey]] = {t: set() for t in self._lower_tiers}
+        self._incarnations: dict[str, str | None] = {t: None for t in self._order}
+        self._lookups: dict[str, _Lookup] = {}
+        self._background: set[asyncio.Task] = set()
+        self._started: asyncio.Task | None = None
+        self._resyncing: dict[str, asyncio.Task] = {}
+        self._lookup_timeout = config.lookup_timeout_ms / 1000
+        self._lease = config.pin_lease_secs
+        self._backend = _remote_backend(config.remote_url)
+        self._counts = {
+            "lookups": 0,
+            "hit_tokens": 0,
+            "miss_tokens": 0,
+            "retrieved_tokens": 0,
+            "puts": 0,
+            "remote_errors": 0,
+            "stale_positives": 0,
+            "resyncs": 0,
+        }
+        self._tier_hits = {t: 0 for t in self._order}
+        self._tier_misses = {t: 0 for t in self._order}
+
+    # ----- start-up, restarts, background tasks -----
+
+    async def _ready(self) -> None:
+        """First call after (re)start: rebuild the whole index from the tiers."""
+        if self._started is not None and self._started.done():
+            return
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._startup())
+        await asyncio.shield(self._started)
+
+    async def _startup(self) -> None:
+        await asyncio.gather(*(self._resync(t) for t in self._order))
+        self._spawn(self._watch_incarnations())
+        self._spawn(self._sweep_leases())
+
+    def _spawn(self, coro: Any, name: str | None = None) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _resync(self, tier: str) -> None:
+        """Rebuild one tier's index from the tier itself."""
+        handle = self._tiers[tier]
+        try:
+            if tier == TIER_CPU:
+                inc, snap = await asyncio.wait_for(handle.snapshot.remote(), CONTROL_TIMEOUT_SECS)
+                self._cpu = dict(snap)
+                for rec in self._lookups.values():
+                    if rec.cpu_incarnation != inc:
+                        rec.refs.clear()  # objects of a dead CPUStore are gone
+                        rec.ready = 0
+            else:
+                inc_ref, keys_ref = handle.incarnation.remote(), handle.keys.remote()
+                inc = await asyncio.wait_for(inc_ref, CONTROL_TIMEOUT_SECS)
+                self._lower[tier] = set(await asyncio.wait_for(keys_ref, CONTROL_TIMEOUT_SECS))
+        except Exception as exc:
+            logger.warning("cannot resync the %s tier index (%s); will retry", tier, exc)
+            if tier == TIER_CPU:
+                self._cpu.clear()
+            return
+        if self._incarnations[tier] is not None:
+            logger.info("the %s tier restarted (incarnation %s); index rebuilt", tier, inc[:8])
+        self._incarnations[tier] = inc
+        self._counts["resyncs"] += 1
+
+    def _schedule_resync(self, tier: str) -> None:
+        if tier not in self._resyncing:
+            task = self._spawn(self._resync(tier))
+            self._resyncing[tier] = task
+            task.add_done_callback(lambda _t: self._resyncing.pop(tier, None))
+
+    def _note_cpu(self, incarnation: str) -> bool:
+        """True if `incarnation` is the CPUStore we know; else drop the CPU index and resync."""
+        if incarnation == self._incarnations.get(TIER_CPU):
+            return True
+        self._cpu.clear()
+        self._schedule_resync(TIER_CPU)
+        return False
+
+    async def _check_incarnation(self, tier: str) -> None:
+        try:
+            inc = await asyncio.wait_for(
+                self._tiers[tier].incarnation.remote(), CONTROL_TIMEOUT_SECS
+            )
+        except Exception as exc:
+            logger.debug("incarnation of %s unavailable: %s", tier, exc)
+            return
+        if inc != self._incarnations[tier]:
+            if tier == TIER_CPU:
+                self._cpu.clear()
+            await self._resync(tier)
+
+    async def _watch_incarnations(self) -> None:
+        while True:
+            await asyncio.sleep(RESYNC_INTERVAL_SECS)
+            await asyncio.gather(*(self._check_incarnation(t) for t in self._order))
+
+    async def _sweep_leases(self) -> None:
+        """Release lookups whose client never came back (died, or forgot to get/unpin)."""
+        every = min(max(self._lease / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for lookup_id in [k for k, r in self._lookups.items() if r.deadline <= now]:
+                logger.info("lookup %s: lease expired, releasing its pins", lookup_id)
+                self._close(lookup_id)
+
+    def _close(self, lookup_id: str) -> _Lookup | None:
+        rec = self._lookups.pop(lookup_id, None)
+        if rec is not None:
+            rec.closed = True
+            # A prefetch still loading unpins when it finishes (it may pin more first).
+            loading = rec.task is not None and not rec.task.done()
+            if self._cpu_handle is not None and not loading:
+                self._cpu_handle.unpin.remote(lookup_id)
+        return rec
+
+    # ----- index walks -----
+
+    def _plan(
+        self, keys: list[CacheKey], tiers: Sequence[str]
+    ) -> tuple[list[tuple[str, int, int]], int]:
+        """Segments (tier, start, stop) of the prefix the indexes know; and its length."""
+        segs: list[tuple[str, int, int]] = []
+        pos, n = 0, len(keys)
+        for tier in tiers:
+            index = self._cpu if tier == TIER_CPU else self._lower[tier]
+            end = pos
+            while end < n and keys[end] in index:
+                end += 1
+            if end > pos:
+                segs.append((tier, pos, end))
+                pos = end
+        return segs, pos
+
+    async def _probe_remote(self, keys: list[CacheKey]) -> int:
+        """How many of `keys` (unknown to every index) the remote tier holds as a prefix."""
+        try:
+            found = await asyncio.wait_for(
+                self._tiers[TIER_REMOTE].contains.remote(keys), self._lookup_timeout
+            )
+        except Exception as exc:
+            self._remote_error("contains", exc)
+            return 0
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        self._lower[TIER_REMOTE].update(keys[:n])
+        return n
+
+    def _remote_error(self, what: str, exc: BaseException) -> None:
+        self._counts["remote_errors"] += 1
+        metrics.inc("raykv_remote_errors", backend=self._backend)
+        logger.warning("remote %s failed or timed out (%r); counted as misses", what, exc)
+
+    async def _full_plan(
+        self, keys: list[CacheKey], tiers: Sequence[str]
+    ) -> tuple[list[tuple[str, int, int]], int]:
+        segs, n = self._plan(keys, tiers)
+        if n < len(keys) and TIER_REMOTE in tiers:
+            found = await self._probe_remote(keys[n:])
+            if found:
+                if segs and segs[-1][0] == TIER_REMOTE:
+                    segs[-1] = (TIER_REMOTE, segs[-1][1], n + found)
+                else:
+                    segs.append((TIER_REMOTE, n, n + found))
+                n += found
+        return segs, n
+
+    def _tiers_for(self, search_range: Sequence[str] | None) -> list[str]:
+        if search_range is None:
+            return self._order
+        unknown = set(search_range) - set(TIER_ORDER)
+        if unknown:
+            raise InvalidInputError(
+                f"unknown tier(s) {sorted(unknown)} in search_range; allowed: {list(TIER_ORDER)}"
+            )
+        return [t for t in self._order if t in search_range]
+
+    def _count_lookup(self, segs: list[tuple[str, int, int]], ends: list[int], n: int) -> None:
+        hit = _tokens(ends, n)
+        miss = _tokens(ends, len(ends)) - hit
+        self._counts["lookups"] += 1
+        self._counts["hit_tokens"] += hit
+        self._counts["miss_tokens"] += miss
+        metrics.inc("raykv_lookups")
+        metrics.inc("raykv_hit_tokens", hit)
+        metrics.inc("raykv_miss_tokens", miss)
+        remaining = len(ends)
+        for tier, a, b in segs:
+            tokens = ends[b - 1] - (ends[a - 1] if a else 0)
+            self._tier_hits[tier] += b - a
+            self._tier_misses[tier] += remaining - (b - a)
+            remaining -= b - a
+            metrics.inc("raykv_tier_hit_tokens", tokens, tier=tier)
+
+    # ----- CPU index upkeep -----
+
+    def _apply_cpu(self, ack: CPUAck) -> None:
+        if not self._note_cpu(ack.incarnation):
+            return
+        for key in ack.evicted:
+            self._cpu.pop(key, None)
+        for key in (*ack.accepted, *ack.present):
+            chunk = ack.refs.get(key)
+            if chunk is not None:
+                self._cpu[key] = chunk
+
+    async def _pull(self, tier: str, keys: list[CacheKey], lookup_id: str | None) -> CPUAck | None:
+        """Promote `keys` from a lower tier into CPU; None if the CPU tier failed."""
+        try:
+            ack = await self._cpu_handle.pull.remote(self._tiers[tier], keys, lookup_id)
+        except Exception as exc:
+            logger.warning("promotion of %d chunks from %s failed: %s", len(keys), tier, exc)
+            return None
+        self._apply_cpu(ack)
+        if ack.missing:
+            stale = self._lower[tier].intersection(ack.missing)
+            if stale:  # the index believed them present: correct it
+                self._lower[tier].difference_update(stale)
+                self._counts["stale_positives"] += len(stale)
+        if ack.refs and tier in self._lower:
+            self._lower[tier].update(ack.refs)
+        return ack
+
+    # ----- public API -----
+
+    async def put(
+        self,
+        keys: Sequence[CacheKey | ChunkSpan] | PackedSpans,
+        metas: Sequence[PayloadMeta],
+        batch: list[ray.ObjectRef],
+    ) -> PutResult:
+        """Write-all: cache `ray.get(batch[0])[i]` under `keys[i]` in CPU (awaited), then
+        write it to disk and remote in the background.
+
+        `batch` is a one-element list holding the client's batch ref (a list, so Ray
+        passes the ref instead of the value). Returns what the CPU tier did.
+        """
+        await self._ready()
+        t0 = time.perf_counter()
+        keys = keys.keys() if isinstance(keys, PackedSpans) else [_as_key(k) for k in keys]
+        metas = list(metas)
+        if len(keys) != len(metas):
+            raise InvalidInputError(f"got {len(keys)} keys but {len(metas)} metas")
+        if not isinstance(batch, list) or len(batch) != 1:
+            raise InvalidInputError("batch must be a list holding one ObjectRef: [ray.put(arrays)]")
+        result = PutResult()
+        lower_batch = batch
+        if self._cpu_handle is not None:
+            try:
+                ack = await self._cpu_handle.put.remote(keys, metas, batch)
+            except Exception as exc:
+                logger.warning("CPU tier put failed (%s); lower tiers still written", exc)
+                ack = None
+            if ack is not None:
+                self._apply_cpu(ack)
+                result = PutResult(len(ack.accepted), len(ack.present), len(ack.skipped))
+                lower_batch = self._owned_batch(keys, ack) or batch
+        self._write_lower(keys, metas, lower_batch)
+        self._counts["puts"] += 1
+        metrics.observe("raykv_store_latency_ms", (time.perf_counter() - t0) * 1000)
+        return result
+
+    def _owned_batch(self, keys: list[CacheKey], ack: CPUAck) -> list[ray.ObjectRef] | None:
+        """The CPUStore's copy when it holds exactly `keys` in order: it outlives the writer."""
+        if ack.accepted != keys:
+            return None
+        first = ack.refs[keys[0]].ref
+        for i, key in enumerate(keys):
+            chunk = ack.refs[key]
+            if chunk.index != i or chunk.ref != first:
+                return None
+        return [first]
+
+    def _write_lower(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], batch: list[ray.ObjectRef]
+    ) -> None:
+        for tier in self._lower_tiers:
+            if all(k in self._lower[tier] for k in keys):
+                continue
+            ref = self._tiers[tier].put.remote(keys, metas, batch)
+            self._spawn(self._finish_lower_put(tier, ref, metas), name=f"raykv-put-{tier}")
+
+    async def _finish_lower_put(self, tier: str, ref: Any, metas: list[PayloadMeta]) -> None:
+        try:
+            ack: PutAck = await ref
+        except Exception as exc:
+            if tier == TIER_REMOTE:
+                self._remote_error("put", exc)
+            else:
+                logger.warning("%s put failed: %s", tier, exc)
+            return
+        index = self._lower[tier]
+        index.difference_update(ack.evicted)
+        index.update(ack.accepted)
+        if ack.accepted:
+            metrics.inc("raykv_stored_bytes", sum(m.nbytes for m in metas), tier=tier)
+
+    async def lookup(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+        lookup_id: str | None = None,
+    ) -> int:
+        """Prefix tokens available across tiers (CPU, then disk, then remote).
+
+        Each tier serves the longest prefix of the keys left by the tiers before it; a
+        miss ends the prefix. With `pin` (needs `lookup_id`) the CPU part stays cached
+        until `get(..., lookup_id)`, `unpin(lookup_id)` or the lease ends.
+        """
+        await self._ready()
+        keys, ends = _split(spans)
+        tiers = self._tiers_for(search_range)
+        segs, n = await self._full_plan(keys, tiers)
+        self._count_lookup(segs, ends, n)
+        if pin:
+            if lookup_id is None:
+                raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
+            if segs and segs[0][0] == TIER_CPU:
+                self._pin(lookup_id, keys[: segs[0][2]], ends)
+        return _tokens(ends, n)
+
+    def _record(self, lookup_id: str, ends: list[int]) -> _Lookup:
+        rec = self._lookups.get(lookup_id)
+        if rec is None:
+            rec = _Lookup(
+                lookup_id,
+                time.monotonic() + self._lease,
+                self._incarnations.get(TIER_CPU),
+                ends,
+            )
+            self._lookups[lookup_id] = rec
+        return rec
+
+    def _pin(self, lookup_id: str, keys: list[CacheKey], ends: list[int]) -> None:
+        """Pin CPU hits: the manager holds their refs, the CPUStore is told without waiting
+        (the refs keep the data readable even if the message loses a race with an evict)."""
+        rec = self._record(lookup_id, ends)
+        for key in keys:
+            rec.refs[key] = self._cpu[key]
+        rec.ready = max(rec.ready, len(keys))
+        self._cpu_handle.pin.remote(lookup_id, keys, self._lease)
+
+    async def prefetch(
+        self,
+        lookup_id: str,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        search_range: Sequence[str] | None = None,
+    ) -> None:
+        """Start loading the prefix of `spans` into CPU and return at once.
+
+        Lower-tier loads run concurrently, one batched pull per tier; the loaded
+        chunks are pinned under `lookup_id` until its get or unpin. See `wait`.
+        """
+        await self._ready()
+        keys, ends = _split(spans)
+        tiers = self._tiers_for(search_range)
+        self._close(lookup_id)
+        rec = self._record(lookup_id, ends)
+        rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, tiers))
+
+    async def _load(self, rec: _Lookup, keys: list[CacheKey], tiers: list[str]) -> int:
+        t0 = time.perf_counter()
+        segs, n = await self._full_plan(keys, tiers)
+        self._count_lookup(segs, rec.ends, n)
+        if segs and segs[0][0] == TIER_CPU:
+            self._pin(rec.lookup_id, keys[: segs[0][2]], rec.ends)
+            segs = segs[1:]
+        pulls = await asyncio.gather(
+            *(self._pull(tier, keys[a:b], rec.lookup_id) for tier, a, b in segs)
+        )
+        for (_tier, a, b), ack in zip(segs, pulls, strict=True):
+            if ack is None:
+                break
+            got = 0
+            for key in keys[a:b]:
+                chunk = ack.refs.get(key)
+                if chunk is None:
+                    break
+                rec.refs[key] = chunk
+                got += 1
+            rec.ready = a + got
+            if got < b - a:
+                break
+        if rec.closed and self._cpu_handle is not None:
+            self._cpu_handle.unpin.remote(rec.lookup_id)  # unpinned while loading
+        metrics.observe("raykv_prefetch_latency_ms", (time.perf_counter() - t0) * 1000)
+        return rec.ready
+
+    async def wait(self, lookup_id: str, timeout: float | None = None) -> int:
+        """Prefix tokens of `lookup_id`'s prefetch ready in CPU (0 if unknown).
+
+        Waits for the prefetch to finish, or at most `timeout` seconds and then
+        reports what is ready so far.
+        """
+        rec = self._lookups.get(lookup_id)
+        if rec is None:
+            return 0
+        if rec.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.task), timeout)
+            except asyncio.TimeoutError:
+                pass
+            except Exception as exc:  # a failed load shortens the prefix, never the request
+                logger.warning("prefetch %s failed: %s", lookup_id, exc)
+        return _tokens(rec.ends, rec.ready)
+
+    async def get(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        lookup_id: str | None = None,
+        check_cpu: bool = False,
+    ) -> RetrieveResult:
+        """The chunks of the longest available prefix, served from CPU.
+
+        Lower-tier hits are promoted into CPU (one pull per tier, concurrently).
+        Releases `lookup_id`'s pins and applies this request's hits as one
+        prefix-closed touch. Pass `check_cpu=True` after a read failed with
+        `OwnerDiedError` (the CPUStore restarted): the manager then confirms the
+        CPUStore's incarnation before answering.
+        """
+        await self._ready()
+        t0 = time.perf_counter()
+        keys, ends = _split(spans)
+        if check_cpu and self._cpu_handle is not None:
+            await self._check_incarnation(TIER_CPU)
+        rec = self._lookups.pop(lookup_id, None) if lookup_id is not None else None
+        if rec is not None:
+            rec.closed = True
+            if rec.task is not None:
+                try:
+                    await asyncio.shield(rec.task)
+                except Exception as exc:
+                    logger.warning("prefetch %s failed: %s", lookup_id, exc)
+        held = rec.refs if rec is not None else {}
+        result = RetrieveResult()
+        n = len(keys)
+        i = 0
+        while i < n:
+            chunk = held.get(keys[i]) or self._cpu.get(keys[i])
+            if chunk is None:
+                break
+            result.chunks.append(chunk)
+            result.tiers.append(TIER_CPU)
+            i += 1
+        if i < n and self._cpu_handle is not None:
+            await self._get_lower(keys, i, result)
+        if self._cpu_handle is not None and (result.chunks or lookup_id is not None):
+            touched = [k for k in keys[: len(result.chunks)] if k in self._cpu]
+            # Sent after this reply is on its way: the client does not wait for it.
+            asyncio.get_running_loop().call_soon(self._release, lookup_id, touched)
+        result.hit_tokens = _tokens(ends, len(result.chunks))
+        self._counts["retrieved_tokens"] += result.hit_tokens
+        metrics.observe("raykv_retrieve_latency_ms", (time.perf_counter() - t0) * 1000)
+        return result
+
+    def _release(self, lookup_id: str | None, touched: list[CacheKey]) -> None:
+        self._cpu_handle.release.remote(lookup_id, touched)
+
+    async def _get_lower(self, keys: list[CacheKey], start: int, result: RetrieveResult) -> None:
+        """Extend `result` from `keys[start:]` with lower-tier hits, promoted into CPU."""
+        segs: list[tuple[str, int, int]] = []
+        pos, n = start, len(keys)
+        for tier in self._lower_tiers:
+            end = pos
+            if tier == TIER_REMOTE:
+                end = n  # keys no index knows may still be on the shared remote tier
+            else:
+                while end < n and keys[end] in self._lower[tier]:
+                    end += 1
+            if end > pos:
+                segs.append((tier, pos, end))
+                pos = end
+        if not segs:
+            return
+        pulls = await asyncio.gather(*(self._pull(t, keys[a:b], None) for t, a, b in segs))
+        for (tier, a, b), ack in zip(segs, pulls, strict=True):
+            if ack is None:
+                return
+            for key in keys[a:b]:
+                chunk = ack.refs.get(key)
+                if chunk is None:
+                    return
+                result.chunks.append(chunk)
+                result.tiers.append(tier)
+
+    async def unpin(self, lookup_id: str) -> None:
+        """Release the pins of `lookup_id` without reading (the request was dropped)."""
+        rec = self._close(lookup_id)
+        if rec is None and self._cpu_handle is not None:
+            self._cpu_handle.unpin.remote(lookup_id)
+
+    async def remove(
+        self, keys: Sequence[CacheKey | ChunkSpan], search_range: Sequence[str] | None = None
+    ) -> int:
+        """Drop `keys` from the tiers (all, or those in `search_range`); chunks removed."""
+        await self._ready()
+        keys = [_as_key(k) for k in keys]
+        tiers = self._tiers_for(search_range)
+        for tier in tiers:
+            if tier == TIER_CPU:
+                for key in keys:
+                    self._cpu.pop(key, None)
+            else:
+                self._lower[tier].difference_update(keys)
+        counts = await asyncio.gather(
+            *(self._tiers[t].remove.remote(keys) for t in tiers), return_exceptions=True
+        )
+        return sum(c for c in counts if isinstance(c, int))
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background lower-tier writes are acknowledged and the disk tier has
+        written them; False on timeout. For tests, benchmarks and orderly shutdowns."""
+        await self._ready()
+        pending = [t for t in self._background if t.get_name().startswith("raykv-put")]
+        try:
+            if pending:
+                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+            if TIER_DISK in self._tiers:
+                return bool(await asyncio.wait_for(self._tiers[TIER_DISK].flush.remote(), timeout))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        """Per tier: entries, used bytes, capacity, hits/misses, evictions; overall hit rate."""
+        await self._ready()
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(self._tiers[t].stats.remote(), CONTROL_TIMEOUT_SECS)
+                for t in self._order
+            ),
+            return_exceptions=True,
+        )
+        tiers: dict[str, Any] = {}
+        for tier, reply in zip(self._order, replies, strict=True):
+            info = dict(reply) if isinstance(reply, dict) else {"error": repr(reply)}
+            info["index_entries"] = len(self._cpu if tier == TIER_CPU else self._lower[tier])
+            info["lookup_hit_chunks"] = self._tier_hits[tier]
+            info["lookup_miss_chunks"] = self._tier_misses[tier]
+            info["incarnation"] = self._incarnations[tier]
+            tiers[tier] = info
+        looked = self._counts["hit_tokens"] + self._counts["miss_tokens"]
+        return {
+            **self._counts,
+            "hit_rate": self._counts["hit_tokens"] / looked if looked else 0.0,
+            "open_lookups": len(self._lookups),
+            "tiers": tiers,
+        }
+
+    async def clear(self) -> None:
+        """Empty every tier and the index."""
+        await self._ready()
+        for lookup_id in list(self._lookups):
+            self._close(lookup_id)
+        await asyncio.gather(
+            *(self._tiers[t].clear.remote() for t in self._order), return_exceptions=True
+        )
+        self._cpu.clear()
+        for index in self._lower.values():
+            index.clear()
+
+    async def incarnations(self) -> dict[str, str | None]:
+        """The incarnation of each tier the index was built from."""
+        await self._ready()
+        return dict(self._incarnations)
+
+    async def tier_handles(self) -> dict[str, Any]:
+        """tier name -> actor handle (for tools and tests)."""
+        return dict(self._tiers)

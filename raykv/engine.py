@@ -1,0 +1,437 @@
+"""The client API a serving app calls: `kv = raykv.connect(); kv.store(...); kv.retrieve(...)`.
+
+Every method makes ONE actor round trip to the `StorageManager` per request (plus,
+for a retrieve, one batched `ray.get` of the request's distinct batch objects, which
+is zero-copy on the manager's node). Keys are computed here, in the caller's
+process, from the tokens.
+
+Faults cost cache hits, never exceptions: an unreachable or restarting manager, a
+timed-out lookup or a chunk whose owner died all read as misses (logged). Bad input
+(tokens that are not 1-D ints, KV of the wrong shape or dtype, a malformed mask)
+raises `raykv.errors.InvalidInputError` naming what was expected.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+
+from raykv.config import RayKVConfig
+from raykv.connector import GPUConnector, KVBuffers
+from raykv.errors import InvalidInputError, RayKVError
+from raykv.keys import ChunkSpan, KeyMaker, as_token_array
+from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
+
+logger = logging.getLogger(__name__)
+
+# How long `connect` waits for newly created actors to come up.
+_CONNECT_TIMEOUT_SECS = 120.0
+# Slack on top of the manager's own bound for a put that may wait for room.
+_PUT_SLACK_SECS = 30.0
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """An engine's KV buffers, read and written through a `GPUConnector`.
+
+    `buffers` is one entry per layer in the connector's layout; token i of the request
+    lives at `slot_mapping[i]` (required for the paged layout) or at row i.
+    """
+
+    connector: GPUConnector
+    buffers: KVBuffers
+    slot_mapping: Any = None
+
+
+KVSource = torch.Tensor | Sequence[torch.Tensor] | KVTarget
+
+
+class KVCache:
+    """A handle on the cluster's raykv cache for one model (see `connect`)."""
+
+    def __init__(self, config: RayKVConfig, manager: Any) -> None:
+        self.config = config
+        self._manager = manager
+        self._keys = KeyMaker.from_config(config)
+        self._dtype = getattr(torch, config.kv_dtype)
+        self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
+        self._pins: dict[tuple[Any, ...], str] = {}
+        self._closed = False
+
+    # ----- keys and validation -----
+
+    def spans(self, tokens: Any, mask: Any = None) -> list[ChunkSpan]:
+        """The chunks of `tokens` this cache stores and looks up (masked chunks left out)."""
+        return self._keys.keys(tokens, mask)
+
+    def _packed(self, spans: list[ChunkSpan]) -> Any:
+        from raykv.actors.storage_manager import PackedSpans
+
+        return PackedSpans.of(spans)
+
+    def _check_geometry(self, num_layers: int, hidden: int, what: str) -> None:
+        if self._geometry is None:
+            self._geometry = (num_layers, hidden)
+        elif self._geometry != (num_layers, hidden):
+            raise InvalidInputError(
+                f"{what} has {num_layers} layers x {hidden} hidden, expected "
+                f"{self._geometry[0]} x {self._geometry[1]} "
+                "(the layout this cache was first used with)"
+            )
+
+    def _check_kv_tensor(self, kv: torch.Tensor, n_tokens: int, what: str) -> None:
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[0] != 2:
+            shape = list(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise InvalidInputError(
+                f"{what} must be a KV_2LTD tensor [2, num_layers, num_tokens, hidden], got {shape}"
+            )
+        if kv.dtype != self._dtype:
+            raise InvalidInputError(
+                f"{what} has dtype {kv.dtype}, expected {self._dtype} (config kv_dtype)"
+            )
+        if kv.shape[2] < n_tokens:
+            raise InvalidInputError(
+                f"{what} covers {kv.shape[2]} tokens, expected at least {n_tokens}"
+            )
+        self._check_geometry(kv.shape[1], kv.shape[3], what)
+
+    def _payloads(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> list[np.ndarray]:
+        """Flat uint8 buffers of the chunks, in span order, validated against the layout."""
+        if isinstance(kv, KVTarget):
+            conn = kv.connector
+            if conn.dtype != self._dtype:
+                raise InvalidInputError(
+                    f"connector dtype {conn.dtype} != config kv_dtype {self._dtype}"
+                )
+            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
+            return [buf for buf, _ in conn.to_buffers(kv.buffers, spans, kv.slot_mapping)]
+        if isinstance(kv, torch.Tensor):
+            self._check_kv_tensor(kv, n_tokens, "kv")
+            return [tensor_to_buffer(kv[:, :, s.start : s.end, :])[0] for s in spans]
+        if isinstance(kv, Sequence) and not isinstance(kv, (str, bytes)):
+            if len(kv) != len(spans):
+                raise InvalidInputError(
+                    f"got {len(kv)} KV chunks for {len(spans)} chunks of the prompt "
+                    f"(chunk_size={self.config.chunk_size}, mask applied)"
+                )
+            out = []
+            for j, (chunk, span) in enumerate(zip(kv, spans, strict=True)):
+                self._check_kv_tensor(chunk, span.end - span.start, f"KV chunk {j}")
+                if chunk.shape[2] != span.end - span.start:
+                    raise InvalidInputError(
+                        f"KV chunk {j} has {chunk.shape[2]} tokens, "
+                        f"expected {span.end - span.start}"
+                    )
+                out.append(tensor_to_buffer(chunk)[0])
+            return out
+        raise InvalidInputError(
+            "kv must be a KV_2LTD tensor, a list of chunk tensors or a KVTarget, "
+            f"got {type(kv).__name__}"
+        )
+
+    # ----- manager calls: a fault is a miss -----
+
+    def _call(self, method: str, *args: Any, timeout: float | None, default: Any) -> Any:
+        if self._closed:
+            raise InvalidInputError("this KVCache is closed")
+        try:
+            return ray.get(getattr(self._manager, method).remote(*args), timeout=timeout)
+        except GetTimeoutError:
+            logger.warning("raykv %s timed out after %.1fs: treated as a miss", method, timeout)
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RayKVError):
+                raise cause from None  # bad input: the caller must hear about it
+            logger.error("raykv %s failed in the manager: treated as a miss\n%s", method, exc)
+        except RayError as exc:  # actor dead or restarting, object lost: a fault, not a bug
+            logger.warning("raykv %s failed (%s): treated as a miss", method, type(exc).__name__)
+        return default
+
+    @property
+    def _lookup_timeout(self) -> float:
+        return self.config.lookup_timeout_ms / 1000.0
+
+    # ----- public API -----
+
+    def store(
+        self,
+        tokens: Any,
+        kv: KVSource,
+        mask: Any = None,
+        priority: int | None = None,
+    ) -> int:
+        """Store the KV of `tokens`' chunks in every tier; returns the tokens newly cached in CPU.
+
+        `kv` is the prompt's KV as one `KV_2LTD` tensor `[2, L, num_tokens, hidden]`, a
+        list of per-chunk `KV_2LTD` tensors, or a `KVTarget` (read through its connector).
+        `mask` (all False, then all True) skips leading tokens already stored. With
+        `config.priority_limit` set, a request whose `priority` exceeds it is not stored.
+        """
+        spans = self.spans(tokens, mask)
+        n_tokens = len(as_token_array(tokens))
+        limit = self.config.priority_limit
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise InvalidInputError(f"priority must be an int or None, got {priority!r}")
+        if not spans or (limit is not None and priority is not None and priority > limit):
+            return 0
+        arrays = self._payloads(kv, spans, n_tokens)
+        metas = [self._meta(span) for span in spans]
+        batch = [ray.put(arrays)]
+        timeout = self.config.blocking_timeout_secs + _PUT_SLACK_SECS
+        result = self._call("put", self._packed(spans), metas, batch, timeout=timeout, default=None)
+        if result is None:
+            return 0
+        return sum(s.end - s.start for s in spans[: result.stored])
+
+    def _meta(self, span: ChunkSpan) -> PayloadMeta:
+        num_layers, hidden = self._geometry  # type: ignore[misc]
+        return PayloadMeta(self.config.kv_dtype, (2, num_layers, span.end - span.start, hidden))
+
+    def lookup(self, tokens: Any, pin: bool = False, lookup_id: str | None = None) -> int:
+        """How many prefix tokens of `tokens` the cache holds, across all tiers.
+
+        With `pin=True` the CPU part stays cached until the `retrieve` of the same
+        tokens (or `unpin`), so it cannot be evicted in between.
+        """
+        spans = self.spans(tokens)
+        if not spans:
+            return 0
+        if pin and lookup_id is None:
+            lookup_id = self._pins.setdefault(self._pin_key(spans), uuid.uuid4().hex)
+        hit = self._call(
+            "lookup",
+            self._packed(spans),
+            pin,
+            None,
+            lookup_id,
+            timeout=self._lookup_timeout,
+            default=0,
+        )
+        return int(hit)
+
+    @staticmethod
+    def _pin_key(spans: list[ChunkSpan]) -> tuple[Any, ...]:
+        return (spans[0].key, spans[-1].key, len(spans))
+
+    def prefetch(self, tokens: Any) -> str:
+        """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
+        spans = self.spans(tokens)
+        lookup_id = uuid.uuid4().hex
+        if spans and not self._closed:
+            try:
+                self._manager.prefetch.remote(lookup_id, self._packed(spans))
+            except RayError as exc:
+                logger.warning("raykv prefetch failed (%s): treated as a miss", exc)
+        return lookup_id
+
+    def wait(self, lookup_id: str, timeout: float | None = None) -> int:
+        """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidInputError(f"timeout must be a number >= 0 or None, got {timeout!r}")
+        outer = None if timeout is None else timeout + self._lookup_timeout
+        return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
+
+    def unpin(self, lookup_id: str) -> None:
+        """Release the pins of a lookup or prefetch without retrieving."""
+        self._call("unpin", lookup_id, timeout=self._lookup_timeout, default=None)
+
+    def retrieve(
+        self,
+        tokens: Any,
+        destination: torch.Tensor | KVTarget,
+        mask: Any = None,
+        lookup_id: str | None = None,
+        return_tiers: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, dict[str, int]]:
+        """Write the KV of the longest cached prefix into `destination`; returns the hit mask.
+
+        `destination` is a `KV_2LTD` tensor `[2, L, >= num_tokens, hidden]` or a
+        `KVTarget`. The mask (bool, one per token) is True where KV was written: a
+        prefix of the tokens not skipped by `mask`. Pass the id of a `prefetch` (or a
+        pinned `lookup`) to use what it loaded and release its pins. With
+        `return_tiers`, also returns the hit tokens per tier they were found in.
+        """
+        chunks, tiers = self._fetch(tokens, mask, lookup_id)
+        hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
+        if chunks:
+            self._write(destination, chunks, len(hit))
+            hit[chunks[0][0].start : chunks[-1][0].end] = True
+        if not return_tiers:
+            return hit
+        per_tier: dict[str, int] = {}
+        for (span, _), tier in zip(chunks, tiers, strict=False):
+            per_tier[tier] = per_tier.get(tier, 0) + span.end - span.start
+        return hit, per_tier
+
+    def _fetch(
+        self, tokens: Any, mask: Any, lookup_id: str | None
+    ) -> tuple[list[tuple[ChunkSpan, torch.Tensor]], list[str]]:
+        """One manager call for the prefix's chunk refs, one `ray.get` of their batches.
+
+        Returns the chunks with their tensors, and the tier each was found in."""
+        spans = self.spans(tokens, mask)
+        if not spans:
+            return [], []
+        if lookup_id is None:
+            lookup_id = self._pins.pop(self._pin_key(spans), None)
+        packed = self._packed(spans)
+        for check_cpu in (False, True):
+            result = self._call(
+                "get",
+                packed,
+                lookup_id,
+                check_cpu,
+                timeout=self._lookup_timeout * 4,
+                default=None,
+            )
+            if result is None or not result.chunks:
+                return [], []
+            try:
+                return self._materialise(spans, result.chunks), list(result.tiers)
+            except RayError as exc:
+                # The CPUStore restarted since the manager indexed these refs: ask again.
+                logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
+                lookup_id = None
+        return [], []
+
+    def _materialise(
+        self, spans: list[ChunkSpan], chunks: list[Any]
+    ) -> list[tuple[ChunkSpan, torch.Tensor]]:
+        refs = list({c.ref: None for c in chunks})
+        values = dict(zip(refs, ray.get(refs, timeout=self._lookup_timeout * 4), strict=True))
+        out = []
+        for span, chunk in zip(spans, chunks, strict=False):
+            meta = chunk.meta
+            expected = (2, *(self._geometry or (meta.shape[1], meta.shape[3])))
+            if (meta.shape[0], meta.shape[1], meta.shape[3]) != expected or meta.shape[2] != (
+                span.end - span.start
+            ):
+                raise InvalidInputError(
+                    f"cached chunk has shape {list(meta.shape)}, expected "
+                    f"[2, {expected[1]}, {span.end - span.start}, {expected[2]}]: two models "
+                    f"with different layouts share model_name={self.config.model_name!r}"
+                )
+            out.append((span, buffer_to_tensor(values[chunk.ref][chunk.index], meta)))
+        return out
+
+    def _write(
+        self,
+        destination: torch.Tensor | KVTarget,
+        chunks: list[tuple[ChunkSpan, torch.Tensor]],
+        n_tokens: int,
+    ) -> None:
+        if isinstance(destination, KVTarget):
+            conn = destination.connector
+            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
+            conn.from_payloads(
+                [t for _, t in chunks],
+                destination.buffers,
+                [s.start for s, _ in chunks],
+                destination.slot_mapping,
+            )
+            return
+        self._check_kv_tensor(destination, n_tokens, "destination")
+        for span, tensor in chunks:
+            destination[:, :, span.start : span.end, :].copy_(tensor)
+
+    # ----- layer by layer -----
+
+    def _require_layerwise(self) -> None:
+        if not self.config.use_layerwise:
+            raise InvalidInputError("layerwise transfer is off: set use_layerwise: true")
+
+    def store_layerwise(self, tokens: Any, source: KVTarget, mask: Any = None) -> Iterator[int]:
+        """Layer-by-layer store: yields layer i before copying it out of `source`.
+
+        Run layer i's compute in the loop body; the chunks are stored (one manager
+        call) when the loop ends.
+        """
+        self._require_layerwise()
+        spans = self.spans(tokens, mask)
+        conn = source.connector
+        self._check_geometry(conn.num_layers, conn.hidden, "the connector")
+        payloads, steps = conn.to_payloads_layerwise(source.buffers, spans, source.slot_mapping)
+        yield from steps
+        if spans:
+            self.store(tokens, list(payloads), mask)
+
+    def retrieve_layerwise(
+        self, tokens: Any, destination: KVTarget, mask: Any = None, lookup_id: str | None = None
+    ) -> Iterator[int]:
+        """Layer-by-layer load: yields layer i once its KV is in `destination`.
+
+        The chunks are fetched first (one manager call, one `ray.get`); then layer
+        i+1's copy is in flight while the loop body runs layer i's compute. The hit
+        mask is the generator's return value (`StopIteration.value`).
+        """
+        self._require_layerwise()
+        chunks, _ = self._fetch(tokens, mask, lookup_id)
+        hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
+        conn = destination.connector
+        if chunks:
+            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
+            yield from conn.from_payloads_layerwise(
+                [t for _, t in chunks],
+                destination.buffers,
+                [s.start for s, _ in chunks],
+                destination.slot_mapping,
+            )
+            hit[chunks[0][0].start : chunks[-1][0].end] = True
+        return hit
+
+    # ----- admin -----
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier entries, bytes, hits and evictions (see `StorageManager.stats`)."""
+        return self._call("stats", timeout=30.0, default={})
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until background writes to the disk and remote tiers have landed."""
+        return bool(self._call("flush", timeout, timeout=timeout + 5.0, default=False))
+
+    def clear(self) -> None:
+        """Empty every tier of this namespace."""
+        self._call("clear", timeout=60.0, default=None)
+
+    def close(self) -> None:
+        """Release this client's pins; the shared cache itself keeps running."""
+        if self._closed:
+            return
+        for lookup_id in list(self._pins.values()):
+            self.unpin(lookup_id)
+        self._pins.clear()
+        self._closed = True
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
+    """Attach to (or create) the raykv actors of the current Ray cluster and namespace.
+
+    `config` defaults to `RayKVConfig.load()` (defaults < YAML file < `RAYKV_*` env);
+    keyword `overrides` win over all of them. Starts a local Ray if none is running.
+    """
+    from raykv.actors.storage_manager import get_or_create_manager
+
+    if config is None:
+        config = RayKVConfig.load(**overrides)
+    elif overrides:
+        config = config.replace(**overrides)
+    if not ray.is_initialized():
+        ray.init()
+    kv = KVCache(config, get_or_create_manager(config))
+    # Wait for the actors to be up (seconds on first use), so the first request is not slow.
+    kv._call("incarnations", timeout=_CONNECT_TIMEOUT_SECS, default=None)
+    return kv

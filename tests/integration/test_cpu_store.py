@@ -1,0 +1,158 @@
+"""CPUStoreActor on a real Ray: ownership, byte-exact reads, pressure, leases, pulls."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from raykv.actors.cpu_store import CPUStoreActor
+from raykv.keys import CacheKey
+from raykv.payload import PayloadMeta
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+# Workers cannot import test modules: ship this module's actors and helpers by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+NBYTES = 64 << 10
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey("cpu-test", 1, 0, f"{i:032x}", "bfloat16")
+
+
+def payload(k: CacheKey, nbytes: int = NBYTES) -> np.ndarray:
+    """The bytes of a chunk are a function of its key, so every hit can be checked."""
+    return np.random.default_rng(int(k.chunk_hash[-15:], 16)).integers(
+        0, 256, nbytes, dtype=np.uint8
+    )
+
+
+def meta(nbytes: int = NBYTES) -> PayloadMeta:
+    return PayloadMeta("uint8", (2, 1, 1, nbytes // 2))
+
+
+def read(chunks) -> list[np.ndarray]:
+    refs = list({c.ref for c in chunks})
+    values = dict(zip(refs, ray.get(refs), strict=True))
+    return [values[c.ref][c.index] for c in chunks]
+
+
+def assert_bytes(keys, chunks) -> None:
+    assert len(chunks) == len(keys)
+    for k, arr in zip(keys, read(chunks), strict=True):
+        assert np.array_equal(arr, payload(k)), f"wrong bytes for {k}"
+
+
+@pytest.fixture
+def store():
+    handle = CPUStoreActor.options(num_cpus=0).remote(
+        8 * NBYTES, "lru", blocking_timeout_secs=0.5, pin_lease_secs=60
+    )
+    yield handle
+    ray.kill(handle)
+
+
+def put(handle, ids: list[int], **kw):
+    keys = [key(i) for i in ids]
+    ref = ray.put([payload(k) for k in keys])
+    return ray.get(handle.put.remote(keys, [meta()] * len(keys), [ref], **kw))
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    """A client that stores a batch and then goes away."""
+
+    def store(self, handle, ids: list[int]):
+        return put(handle, ids)
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    """Stands in for a GPU worker or lower tier: `get_batch` with two returns."""
+
+    @ray.method(num_returns=2)
+    def get_batch(self, keys):
+        return [meta() for _ in keys], [payload(k) for k in keys]
+
+
+def test_put_reads_back_byte_for_byte_and_first_put_wins(store):
+    ack = put(store, [0, 1, 2])
+    assert ack.accepted == [key(0), key(1), key(2)]
+    assert_bytes(ack.accepted, [ack.refs[k] for k in ack.accepted])
+    # One re-put object per request, not one per chunk.
+    assert len({c.ref for c in ack.refs.values()}) == 1
+    again = put(store, [2, 3])
+    assert again.present == [key(2)] and again.accepted == [key(3)]
+    assert again.refs[key(2)] == ack.refs[key(2)]
+
+
+def test_data_outlives_the_writer(store):
+    writer = Writer.remote()
+    ray.get(writer.store.remote(store, [10, 11]))
+    ray.kill(writer)
+    time.sleep(0.5)
+    refs = ray.get(store.chunk_refs.remote([key(10), key(11)]))
+    assert_bytes([key(10), key(11)], refs)
+
+
+def test_pulled_data_is_owned_by_the_store_and_outlives_the_producer(store):
+    producer = Producer.remote()
+    ack = ray.get(store.pull.remote(producer, [key(20), key(21)]))
+    assert ack.accepted == [key(20), key(21)]
+    ray.kill(producer)
+    time.sleep(0.5)
+    assert_bytes([key(20), key(21)], ray.get(store.chunk_refs.remote([key(20), key(21)])))
+
+
+def test_all_pinned_put_gives_up_after_the_timeout_and_evicts_nothing(store):
+    put(store, list(range(8)))
+    assert ray.get(store.pin.remote("L", [key(i) for i in range(8)])) == 8
+    t0 = time.monotonic()
+    ack = put(store, [100, 101])
+    took = time.monotonic() - t0
+    assert ack.accepted == [] and ack.skipped == [key(100), key(101)] and ack.evicted == []
+    assert 0.4 < took < 3.0
+    assert ray.get(store.contains.remote([key(i) for i in range(8)])) == [True] * 8
+    assert ray.get(store.stats.remote())["skipped"] == 2
+
+
+def test_a_waiting_put_proceeds_when_an_unpin_frees_room(store):
+    put(store, list(range(8)))
+    ray.get(store.pin.remote("L", [key(i) for i in range(8)]))
+    keys = [key(200)]
+    ref = ray.put([payload(keys[0])])
+    pending = store.put.remote(keys, [meta()], [ref])
+    time.sleep(0.1)
+    ray.get(store.unpin.remote("L"))  # async actor: served while the put waits
+    ack = ray.get(pending)
+    # The 8 chunks share one batch object: its bytes come back only when all 8 go.
+    assert ack.accepted == keys and len(ack.evicted) == 8
+
+
+def test_a_lease_releases_pins_of_a_client_that_never_comes_back():
+    handle = CPUStoreActor.options(num_cpus=0).remote(
+        4 * NBYTES, "lru", blocking_timeout_secs=0.2, pin_lease_secs=0.4
+    )
+    try:
+        put(handle, [0, 1, 2, 3])
+        ray.get(handle.pin.remote(uuid.uuid4().hex, [key(i) for i in range(4)]))
+        time.sleep(1.0)
+        ack = put(handle, [50])
+        assert ack.accepted == [key(50)]
+        assert ray.get(handle.stats.remote())["expired_leases"] == 1
+    finally:
+        ray.kill(handle)
+
+
+def test_too_small_object_store_is_reported():
+    handle = CPUStoreActor.options(num_cpus=0).remote(8 << 30, "lru")
+    try:
+        stats = ray.get(handle.stats.remote())
+        assert stats["object_store_ok"] is False
+    finally:
+        ray.kill(handle)

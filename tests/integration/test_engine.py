@@ -1,0 +1,235 @@
+"""The client API (`raykv.connect`) against real actors: store, lookup, prefetch, retrieve,
+masks, pins, layerwise transfer, connector targets and input validation."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+import raykv
+from raykv.actors.storage_manager import shutdown_manager
+from raykv.errors import InvalidInputError
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+C = 16  # chunk size in tokens
+L, HEADS, HEAD_DIM = 2, 2, 8
+HIDDEN = HEADS * HEAD_DIM
+
+
+def kv_for(tokens: np.ndarray) -> torch.Tensor:
+    """KV whose values derive from the token ids: equal prefixes give equal KV."""
+    t = torch.as_tensor(tokens, dtype=torch.float32)
+    layers = torch.arange(L, dtype=torch.float32).view(1, L, 1, 1)
+    cols = torch.arange(HIDDEN, dtype=torch.float32).view(1, 1, 1, HIDDEN)
+    kv = t.view(1, 1, -1, 1) * 1000 + layers * 10 + cols / 100
+    return torch.cat([kv, -kv]).to(torch.float16)
+
+
+@pytest.fixture
+def kv(tmp_path):
+    ns = f"t-eng-{uuid.uuid4().hex[:8]}"
+    cache = raykv.connect(
+        namespace=ns,
+        chunk_size=C,
+        kv_dtype="float16",
+        max_local_cpu_size=0.01,
+        local_disk=str(tmp_path / "disk"),
+        max_local_disk_size=0.05,
+        use_layerwise=True,
+        lookup_timeout_ms=2000,
+        blocking_timeout_secs=0.5,
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+        shutdown_manager(ns)
+
+
+def prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n)
+
+
+def test_store_then_retrieve_returns_the_same_kv_and_a_prefix_mask(kv):
+    tokens = prompt(0, 5 * C + 3)  # the partial chunk is not stored
+    full = kv_for(tokens)
+    assert kv.store(tokens, full) == 5 * C
+    assert kv.lookup(tokens) == 5 * C
+    dest = torch.zeros_like(full)
+    mask = kv.retrieve(tokens, dest)
+    assert mask.tolist() == [True] * 5 * C + [False] * 3
+    assert torch.equal(dest[:, :, : 5 * C], full[:, :, : 5 * C])
+    assert not dest[:, :, 5 * C :].any()
+
+
+def test_a_shared_prefix_is_a_hit_for_a_different_suffix(kv):
+    base = prompt(1, 4 * C)
+    kv.store(base, kv_for(base))
+    other = np.concatenate([base[: 2 * C], prompt(2, 3 * C)])
+    assert kv.lookup(other) == 2 * C
+    dest = torch.zeros(2, L, len(other), HIDDEN, dtype=torch.float16)
+    mask = kv.retrieve(other, dest)
+    assert mask.sum() == 2 * C
+    assert torch.equal(dest[:, :, : 2 * C], kv_for(other)[:, :, : 2 * C])
+
+
+def test_mask_skips_leading_chunks_on_store(kv):
+    tokens = prompt(3, 4 * C)
+    mask = np.zeros(len(tokens), dtype=bool)
+    mask[2 * C :] = True
+    kv.store(tokens, kv_for(tokens), mask=mask)
+    assert kv.lookup(tokens) == 0  # chunk 0 is missing, so nothing is a usable prefix
+    kv.store(tokens[: 2 * C], kv_for(tokens[: 2 * C]))
+    assert kv.lookup(tokens) == 4 * C
+
+
+def test_retrieve_with_mask_fills_only_unmasked_chunks(kv):
+    tokens = prompt(4, 4 * C)
+    full = kv_for(tokens)
+    kv.store(tokens, full)
+    mask = np.zeros(len(tokens), dtype=bool)
+    mask[C:] = True
+    dest = torch.zeros_like(full)
+    hit = kv.retrieve(tokens, dest, mask=mask)
+    assert hit.tolist() == [False] * C + [True] * 3 * C
+    assert not dest[:, :, :C].any()
+    assert torch.equal(dest[:, :, C:], full[:, :, C:])
+
+
+def test_prefetch_then_wait_reports_ready_tokens_and_retrieve_uses_them(kv):
+    tokens = prompt(5, 3 * C)
+    kv.store(tokens, kv_for(tokens))
+    lookup_id = kv.prefetch(tokens)
+    assert kv.wait(lookup_id, timeout=10) == 3 * C
+    dest = torch.zeros(2, L, 3 * C, HIDDEN, dtype=torch.float16)
+    assert kv.retrieve(tokens, dest, lookup_id=lookup_id).all()
+    assert torch.equal(dest, kv_for(tokens))
+
+
+def test_wait_on_an_unknown_id_is_zero_not_an_error(kv):
+    assert kv.wait("no-such-lookup", timeout=0.1) == 0
+
+
+def test_a_miss_is_a_return_value(kv):
+    tokens = prompt(6, 2 * C)
+    assert kv.lookup(tokens) == 0
+    dest = torch.zeros(2, L, 2 * C, HIDDEN, dtype=torch.float16)
+    assert not kv.retrieve(tokens, dest).any()
+    assert kv.lookup([]) == 0
+
+
+def test_pinned_lookup_is_released_by_retrieve(kv):
+    tokens = prompt(7, 2 * C)
+    kv.store(tokens, kv_for(tokens))
+    assert kv.lookup(tokens, pin=True) == 2 * C
+    assert kv._pins
+    dest = torch.zeros(2, L, 2 * C, HIDDEN, dtype=torch.float16)
+    assert kv.retrieve(tokens, dest).all()
+    assert not kv._pins
+    assert ray.get(kv._manager.stats.remote())["tiers"]["cpu"]["pinned_entries"] == 0
+
+
+def test_disk_hit_after_cpu_eviction_gives_the_same_bytes(kv):
+    tokens = prompt(8, 8 * C)
+    full = kv_for(tokens)
+    kv.store(tokens, full)
+    kv.flush()
+    ray.get(kv._manager.remove.remote([s.key for s in kv.spans(tokens)], ["cpu"]))
+    dest = torch.zeros_like(full)
+    hit, tiers = kv.retrieve(tokens, dest, return_tiers=True)
+    assert hit.all() and tiers == {"disk": 8 * C}
+    assert torch.equal(dest, full)
+    _, tiers = kv.retrieve(tokens, torch.zeros_like(full), return_tiers=True)
+    assert tiers == {"cpu": 8 * C}  # promoted
+
+
+def test_list_of_chunks_and_connector_targets_round_trip(kv):
+    tokens = prompt(9, 3 * C)
+    full = kv_for(tokens)
+    chunks = [full[:, :, i * C : (i + 1) * C].contiguous() for i in range(3)]
+    kv.store(tokens, chunks)
+    conn = raykv.GPUConnector(
+        L, HEADS, HEAD_DIM, torch.float16, "cpu", layout="paged", block_size=4
+    )
+    buffers = conn.allocate_buffers(32)
+    slots = torch.randperm(32 * 4)[: 3 * C]
+    assert kv.retrieve(tokens, raykv.KVTarget(conn, buffers, slots)).all()
+    out = conn.to_payloads(buffers, [(0, 3 * C)], slots)[0]
+    assert torch.equal(out, full)
+
+
+def test_layerwise_store_and_retrieve_match_whole_transfers(kv):
+    tokens = prompt(10, 2 * C)
+    full = kv_for(tokens)
+    conn = raykv.GPUConnector(L, HEADS, HEAD_DIM, torch.float16, "cpu", layout="contiguous")
+    src = conn.allocate_buffers(2 * C)
+    conn.from_payloads([full], src, [0])
+    layers = list(kv.store_layerwise(tokens, raykv.KVTarget(conn, src)))
+    assert layers == list(range(L))
+    assert kv.lookup(tokens) == 2 * C
+    dst = conn.allocate_buffers(2 * C)
+    gen = kv.retrieve_layerwise(tokens, raykv.KVTarget(conn, dst))
+    seen = []
+    try:
+        while True:
+            seen.append(next(gen))
+    except StopIteration as stop:
+        hit = stop.value
+    assert seen == list(range(L)) and hit.all()
+    assert torch.equal(conn.to_payloads(dst, [(0, 2 * C)])[0], full)
+
+
+@pytest.mark.parametrize(
+    "bad_tokens",
+    [[[1, 2], [3, 4]], [1.5, 2.5], "abc", [-1, 2]],
+)
+def test_bad_tokens_raise_invalid_input(kv, bad_tokens):
+    with pytest.raises(InvalidInputError):
+        kv.lookup(bad_tokens)
+
+
+def test_bad_kv_raises_with_expected_and_actual(kv):
+    tokens = prompt(11, 2 * C)
+    with pytest.raises(InvalidInputError, match="dtype torch.float32, expected torch.float16"):
+        kv.store(tokens, kv_for(tokens).float())
+    with pytest.raises(InvalidInputError, match="covers 16 tokens, expected at least 32"):
+        kv.store(tokens, kv_for(tokens)[:, :, :C])
+    with pytest.raises(InvalidInputError, match="KV_2LTD"):
+        kv.store(tokens, kv_for(tokens)[0])
+    with pytest.raises(InvalidInputError, match="got 1 KV chunks for 2 chunks"):
+        kv.store(tokens, [kv_for(tokens)[:, :, :C]])
+    kv.store(tokens, kv_for(tokens))
+    wrong = torch.zeros(2, L + 1, 2 * C, HIDDEN, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match="3 layers x 16 hidden, expected 2 x 16"):
+        kv.retrieve(tokens, wrong)
+
+
+def test_bad_mask_raises(kv):
+    tokens = prompt(12, 2 * C)
+    with pytest.raises(InvalidInputError, match="multiple of chunk_size"):
+        kv.store(tokens, kv_for(tokens), mask=np.array([False] * 3 + [True] * (2 * C - 3)))
+
+
+def test_priority_limit_skips_low_priority_requests(tmp_path):
+    ns = f"t-eng-{uuid.uuid4().hex[:8]}"
+    with raykv.connect(
+        namespace=ns, chunk_size=C, kv_dtype="float16", max_local_cpu_size=0.01, priority_limit=1
+    ) as cache:
+        try:
+            tokens = prompt(13, 2 * C)
+            assert cache.store(tokens, kv_for(tokens), priority=5) == 0
+            assert cache.lookup(tokens) == 0
+            assert cache.store(tokens, kv_for(tokens), priority=1) == 2 * C
+        finally:
+            shutdown_manager(ns)
+
+
+def test_closed_client_refuses_requests(kv):
+    kv.close()
+    with pytest.raises(InvalidInputError, match="closed"):
+        kv.lookup(prompt(14, C))

@@ -1,0 +1,337 @@
+"""StorageManager over real tiers: the DESIGN.md semantics of store, lookup, prefetch,
+retrieve, pressure, restarts and lazy touch. Every hit is checked byte for byte."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
+from raykv.config import RayKVConfig
+from raykv.keys import ChunkSpan, KeyMaker
+from raykv.payload import PayloadMeta
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CHUNK_TOKENS = 16
+NBYTES = 32 << 10  # bytes per chunk
+
+
+def payload(key) -> np.ndarray:
+    """A chunk's bytes are a function of its key, so every hit can be verified."""
+    return np.random.default_rng(int(key.chunk_hash[-15:], 16)).integers(
+        0, 256, NBYTES, dtype=np.uint8
+    )
+
+
+META = PayloadMeta("uint8", (2, 1, CHUNK_TOKENS, NBYTES // (2 * CHUNK_TOKENS)))
+
+
+def request(seed: int, n_chunks: int) -> list[ChunkSpan]:
+    tokens = list(range(seed * 100_000, seed * 100_000 + n_chunks * CHUNK_TOKENS))
+    return KeyMaker(chunk_size=CHUNK_TOKENS).keys(tokens)
+
+
+def put(manager, spans: list[ChunkSpan]):
+    keys = [s.key for s in spans]
+    ref = ray.put([payload(k) for k in keys])
+    return ray.get(manager.put.remote(keys, [META] * len(keys), [ref]))
+
+
+def read(chunks) -> list[np.ndarray]:
+    refs = list({c.ref for c in chunks})
+    values = dict(zip(refs, ray.get(refs), strict=True))
+    return [values[c.ref][c.index] for c in chunks]
+
+
+def check_bytes(spans, result) -> None:
+    for span, arr in zip(spans, read(result.chunks), strict=False):
+        assert np.array_equal(arr, payload(span.key)), f"wrong bytes for chunk {span}"
+
+
+def tokens(n: int) -> int:
+    return n * CHUNK_TOKENS
+
+
+def build_manager(namespaces: list[str], directory, **overrides):
+    """A manager in a namespace of its own (and its own disk directory)."""
+    ns = f"t-{uuid.uuid4().hex[:10]}"
+    namespaces.append(ns)
+    fields = {
+        "namespace": ns,
+        "max_local_cpu_size": 16 * NBYTES / 2**30,
+        "local_disk": str(directory / ns),
+        "max_local_disk_size": 0.25,
+        "blocking_timeout_secs": 0.5,
+        "lookup_timeout_ms": 1000,
+    }
+    fields.update(overrides)
+    manager = get_or_create_manager(RayKVConfig.load(**fields))
+    ray.get(manager.stats.remote())  # started, index built
+    return manager
+
+
+@pytest.fixture(scope="module")
+def shared_manager(ray_session, tmp_path_factory):
+    """One manager (16-chunk CPU tier + disk) for the module: actors take seconds to start."""
+    namespaces: list[str] = []
+    yield build_manager(namespaces, tmp_path_factory.mktemp("disk"))
+    for ns in namespaces:
+        shutdown_manager(ns)
+
+
+@pytest.fixture
+def m(shared_manager):
+    """The shared manager, emptied before each test."""
+    ray.get(shared_manager.flush.remote(30))
+    ray.get(shared_manager.clear.remote())
+    return shared_manager
+
+
+@pytest.fixture
+def make_manager(tmp_path):
+    """Build a manager with its own configuration; torn down after the test."""
+    namespaces: list[str] = []
+    yield lambda **overrides: build_manager(namespaces, tmp_path, **overrides)
+    for ns in namespaces:
+        shutdown_manager(ns)
+
+
+def test_prefix_is_stitched_across_tiers(m):
+    spans = request(1, 5)
+    keys = [s.key for s in spans]
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote(keys[3:], ["cpu"]))  # chunks 0-2 only in CPU
+    ray.get(m.remove.remote(keys[:3], ["disk"]))  # chunks 3-4 only on disk
+    assert ray.get(m.lookup.remote(spans)) == tokens(5)
+    assert ray.get(m.lookup.remote(spans, search_range=["disk"])) == 0
+    assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(3)
+    result = ray.get(m.get.remote(spans))
+    assert result.hit_tokens == tokens(5)
+    assert result.tiers == ["cpu"] * 3 + ["disk"] * 2
+    check_bytes(spans, result)
+
+
+def test_a_hole_in_the_middle_ends_the_prefix(m):
+    spans = request(2, 5)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote([spans[2].key]))  # from every tier
+    assert ray.get(m.lookup.remote(spans)) == tokens(2)
+    result = ray.get(m.get.remote(spans))
+    assert result.hit_chunks == 2 and result.mask(5) == [True, True, False, False, False]
+    check_bytes(spans, result)
+
+
+def test_a_disk_only_prefix_is_read_and_promoted_into_cpu(m):
+    spans = request(3, 4)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote(spans, ["cpu"]))
+    assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == 0
+    first = ray.get(m.get.remote(spans))
+    assert first.tiers == ["disk"] * 4
+    check_bytes(spans, first)
+    assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(4)
+    second = ray.get(m.get.remote(spans))
+    assert second.tiers == ["cpu"] * 4
+    check_bytes(spans, second)
+
+
+def test_prefetch_loads_lower_tiers_into_cpu_and_get_serves_it(m):
+    spans = request(4, 6)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote(spans[2:], ["cpu"]))
+    ray.get(m.prefetch.remote("p1", spans))  # returns at once
+    assert ray.get(m.wait.remote("p1")) == tokens(6)
+    assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(6)
+    result = ray.get(m.get.remote(spans, "p1"))
+    assert result.hit_tokens == tokens(6)
+    check_bytes(spans, result)
+    assert ray.get(m.stats.remote())["tiers"]["cpu"]["leases"] == 0  # get released its pins
+    assert ray.get(m.wait.remote("unknown")) == 0
+
+
+def test_a_failed_tier_load_shortens_the_prefix_and_corrects_the_index(m):
+    spans = request(5, 4)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote(spans, ["cpu"]))
+    disk = ray.get(m.tier_handles.remote())["disk"]
+    ray.get(disk.remove.remote([spans[2].key]))  # behind the manager's back: stale index
+    assert ray.get(m.lookup.remote(spans)) == tokens(4)  # the index still believes it
+    ray.get(m.prefetch.remote("p2", spans))
+    assert ray.get(m.wait.remote("p2")) == tokens(2)
+    result = ray.get(m.get.remote(spans, "p2"))
+    assert result.hit_tokens == tokens(2)
+    check_bytes(spans, result)
+    assert ray.get(m.lookup.remote(spans)) == tokens(2)  # corrected
+    assert ray.get(m.stats.remote())["stale_positives"] >= 1
+
+
+def test_pinned_chunks_are_never_evicted_and_a_full_put_gives_up(m):
+    pinned, other = request(6, 16), request(7, 4)  # 16 chunks fill the CPU tier
+    put(m, pinned)
+    assert ray.get(m.lookup.remote(pinned, pin=True, lookup_id="L")) == tokens(16)
+    t0 = time.monotonic()
+    res = put(m, other)
+    assert time.monotonic() - t0 < 3.0
+    assert (res.stored, res.skipped) == (0, 4)
+    assert ray.get(m.lookup.remote(pinned, search_range=["cpu"])) == tokens(16)
+    # A read of the other request is served from disk without waiting for room.
+    assert ray.get(m.flush.remote(30))
+    t0 = time.monotonic()
+    result = ray.get(m.get.remote(other))
+    assert time.monotonic() - t0 < 1.5
+    assert result.hit_tokens == tokens(4) and result.tiers == ["disk"] * 4
+    check_bytes(other, result)
+    # The get of the pinned lookup releases it: now the other request fits.
+    check_bytes(pinned, ray.get(m.get.remote(pinned, "L")))
+    assert put(m, other).stored == 4
+
+
+@ray.remote(num_cpus=0)
+class Client:
+    """A separate process that uses the cache and then dies."""
+
+    def store(self, manager, spans):
+        return put(manager, spans)
+
+    def pin(self, manager, spans, lookup_id):
+        return ray.get(manager.lookup.remote(spans, pin=True, lookup_id=lookup_id))
+
+
+def test_data_stays_readable_after_the_writer_exits(m):
+    spans = request(9, 3)
+    writer = Client.remote()
+    assert ray.get(writer.store.remote(m, spans)).stored == 3
+    ray.kill(writer)
+    time.sleep(0.5)
+    result = ray.get(m.get.remote(spans))
+    assert result.tiers == ["cpu"] * 3
+    check_bytes(spans, result)
+
+
+def test_a_lease_releases_the_pins_of_a_dead_client(make_manager):
+    m = make_manager(max_local_cpu_size=4 * NBYTES / 2**30, pin_lease_secs=0.5, local_disk=None)
+    pinned, other = request(10, 4), request(11, 4)
+    put(m, pinned)
+    client = Client.remote()
+    assert ray.get(client.pin.remote(m, pinned, "dead")) == tokens(4)
+    ray.kill(client)
+    deadline = time.monotonic() + 20
+    while ray.get(m.stats.remote())["tiers"]["cpu"]["leases"]:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.1)
+    assert put(m, other).stored == 4
+    assert ray.get(m.stats.remote())["open_lookups"] == 0
+
+
+def test_lazy_prefix_closed_touch_keeps_the_cache_prefix_closed(m):
+    """Every cached chunk's parent is cached, under churn with reads in between."""
+    requests = [request(20 + r, 4) for r in range(10)]  # 40 chunks through 16 slots
+    rng = np.random.default_rng(0)
+    cpu = ray.get(m.tier_handles.remote())["cpu"]
+    for i, spans in enumerate(requests):
+        put(m, spans)
+        for j in rng.choice(i + 1, size=2):  # re-read some earlier requests
+            res = ray.get(m.get.remote(requests[j][: rng.integers(1, 5)]))
+            check_bytes(requests[j], res)
+        for earlier in requests[: i + 1]:
+            held = ray.get(cpu.contains.remote([s.key for s in earlier]))
+            n = held.index(False) if False in held else len(held)
+            assert not any(held[n:]), f"chunk cached without its parent: {held}"
+    assert ray.get(cpu.stats.remote())["evictions"] > 0
+
+
+def test_stats_report_tiers_and_hit_rate(m):
+    spans = request(31, 2)
+    put(m, spans)
+    before = ray.get(m.stats.remote())
+    ray.get(m.lookup.remote(spans))
+    ray.get(m.lookup.remote(request(32, 2)))
+    stats = ray.get(m.stats.remote())
+    hits = stats["hit_tokens"] - before["hit_tokens"]
+    misses = stats["miss_tokens"] - before["miss_tokens"]
+    assert hits == misses == tokens(2) and 0 < stats["hit_rate"] <= 1
+    assert stats["tiers"]["cpu"]["entries"] == 2
+    assert {"used_bytes", "capacity_bytes", "evictions"} <= set(stats["tiers"]["cpu"])
+    ray.get(m.clear.remote())
+    assert ray.get(m.lookup.remote(spans)) == 0
+
+
+def test_a_killed_cpu_store_restarts_and_the_manager_serves_from_disk(m):
+    spans = request(8, 4)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    before = ray.get(m.incarnations.remote())["cpu"]
+    cpu = ray.get(m.tier_handles.remote())["cpu"]
+    ray.kill(cpu, no_restart=False)
+    # A client whose read failed with OwnerDiedError asks again with check_cpu=True.
+    result = ray.get(m.get.remote(spans, check_cpu=True))
+    assert result.hit_tokens == tokens(4) and result.tiers == ["disk"] * 4
+    check_bytes(spans, result)
+    assert ray.get(m.incarnations.remote())["cpu"] != before
+    again = ray.get(m.get.remote(spans))
+    assert again.tiers == ["cpu"] * 4  # promoted into the restarted CPUStore
+    check_bytes(spans, again)
+
+
+def test_manager_restart_rebuilds_its_index_from_the_tiers(m):
+    spans = request(30, 3)
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.kill(m, no_restart=False)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            n = ray.get(m.lookup.remote(spans), timeout=10)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert n == tokens(3)
+    result = ray.get(m.get.remote(spans))
+    assert result.hit_tokens == tokens(3)
+    check_bytes(spans, result)
+
+
+def test_three_tier_prefix_with_a_redis_remote_written_by_others(make_manager, redis_server):
+    m = make_manager(remote_url=redis_server.url)
+    spans = request(40, 6)
+    keys = [s.key for s in spans]
+    put(m, spans)
+    assert ray.get(m.flush.remote(30))
+    ray.get(m.remove.remote(keys[2:], ["cpu"]))
+    ray.get(m.remove.remote(keys[:2] + keys[4:], ["disk"]))
+    ray.get(m.remove.remote(keys[:4], ["remote"]))
+    assert ray.get(m.lookup.remote(spans)) == tokens(6)
+    assert ray.get(m.lookup.remote(spans, search_range=["disk", "remote"])) == 0
+    result = ray.get(m.get.remote(spans))
+    assert result.tiers == ["cpu"] * 2 + ["disk"] * 2 + ["remote"] * 2
+    check_bytes(spans, result)
+
+    # Another instance wrote these to the shared remote: no index knows them.
+    others = request(41, 3)
+    remote = ray.get(m.tier_handles.remote())["remote"]
+    ref = ray.put([payload(s.key) for s in others])
+    ray.get(remote.put.remote([s.key for s in others], [META] * 3, [ref]))
+    assert ray.get(m.lookup.remote(others)) == tokens(3)
+    found = ray.get(m.get.remote(others))
+    assert found.tiers == ["remote"] * 3
+    check_bytes(others, found)
+
+    # An unreachable remote costs misses within the lookup timeout, never an error.
+    redis_server.stop()
+    t0 = time.monotonic()
+    assert ray.get(m.lookup.remote(request(42, 3))) == 0
+    assert time.monotonic() - t0 < 3.0
+    assert ray.get(m.lookup.remote(spans)) == tokens(6)  # now all in CPU

@@ -1,0 +1,276 @@
+"""The plain DiskStore (no Ray): files, index, budget, restart, check, failures."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raykv.actors import disk_store as ds
+from raykv.actors.disk_store import DiskStore, layout_digest
+from raykv.keys import make_key
+from raykv.payload import PayloadMeta
+
+
+def key(i: int, model: str = "m"):
+    return make_key(model, 1, 0, f"{i:032x}", "bfloat16")
+
+
+def chunk(i: int, tokens: int = 16) -> tuple[PayloadMeta, np.ndarray]:
+    meta = PayloadMeta("bfloat16", (2, 2, tokens, 32))
+    data = np.random.default_rng(i).integers(0, 256, meta.nbytes, dtype=np.uint8)
+    return meta, data
+
+
+CHUNK_BYTES = chunk(0)[0].nbytes  # 4096
+
+
+def put(store: DiskStore, ids, tokens: int = 16, flush: bool = True):
+    keys = [key(i) for i in ids]
+    items = [chunk(i, tokens) for i in ids]
+    ack = store.put(keys, [m for m, _ in items], [a for _, a in items])
+    if flush:
+        assert store.flush(5)
+    return ack
+
+
+def files(store: DiskStore, pattern: str = "*.rkv") -> list[Path]:
+    return sorted(Path(store.directory).glob(f"*/{pattern}")) + sorted(
+        Path(store.directory).glob(f"*/.{pattern}")
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = DiskStore(tmp_path, 1 << 20)
+    yield s
+    s.close()
+
+
+def test_put_then_get_returns_identical_bytes_and_meta(store: DiskStore) -> None:
+    ack = put(store, range(3))
+    assert ack.accepted == [key(i) for i in range(3)] and not ack.skipped and not ack.evicted
+    assert store.contains([key(0), key(1), key(2), key(9)]) == [True, True, True, False]
+    metas, arrays = store.get_batch([key(1), key(9), key(0)])
+    assert metas == [chunk(1)[0], None, chunk(0)[0]]
+    assert np.array_equal(arrays[0], chunk(1)[1]) and np.array_equal(arrays[2], chunk(0)[1])
+    assert arrays[1].size == 0 and arrays[0].dtype == np.uint8
+    st = store.stats()
+    assert st["entries"] == 3 and st["hits"] == 2 and st["misses"] == 1
+    assert st["used_bytes"] == sum(p.stat().st_size for p in files(store))
+
+
+def test_layout_digest_names_the_directory_so_models_never_mix(tmp_path: Path) -> None:
+    a = DiskStore(tmp_path, 1 << 20, model_name="a")
+    b = DiskStore(tmp_path, 1 << 20, model_name="b", chunk_size=128)
+    assert a.directory != b.directory
+    assert os.path.basename(a.directory) == layout_digest("a", "KV_2LTD", "bfloat16", 256)
+    put(a, [1])
+    assert b.keys() == [] and DiskStore(tmp_path, 1 << 20, model_name="a").keys() == [key(1)]
+    # one file per chunk, in a shard directory named after the chunk hash
+    (path,) = files(a)
+    assert path.parent.name == key(1).chunk_hash[:2]
+    assert path.name == key(1).to_string() + ".rkv"
+
+
+def test_key_is_invisible_until_its_file_is_complete(store: DiskStore, monkeypatch) -> None:
+    release = threading.Event()
+    real = ds._write_file
+
+    def slow_write(path, parts, fsync):
+        release.wait(5)
+        real(path, parts, fsync)
+
+    monkeypatch.setattr(ds, "_write_file", slow_write)
+    ack = put(store, [1], flush=False)
+    assert ack.accepted == [key(1)]
+    assert store.contains([key(1)]) == [False] and store.get([key(1)]) == [None]
+    assert store.stats()["pending_writes"] == 1
+    release.set()
+    assert store.flush(5)
+    assert store.contains([key(1)]) == [True]
+
+
+def test_second_put_of_a_key_keeps_the_first(store: DiskStore) -> None:
+    put(store, [1])
+    (path,) = files(store)
+    inode = path.stat().st_ino
+    meta, other = chunk(99)
+    ack = store.put([key(1)], [meta], [other])
+    store.flush(5)
+    assert ack.accepted == [key(1)]
+    assert path.stat().st_ino == inode
+    assert np.array_equal(store.get([key(1)])[0][1], chunk(1)[1])
+
+
+def test_remove_clear_and_keys(store: DiskStore) -> None:
+    put(store, range(5))
+    assert sorted(store.keys()) == [key(i) for i in range(5)]
+    assert store.remove([key(0), key(1), key(42)]) == 2
+    assert sorted(store.keys()) == [key(i) for i in range(2, 5)]
+    assert len(files(store)) == 3
+    store.clear()
+    assert store.keys() == [] and files(store) == [] and store.stats()["used_bytes"] == 0
+
+
+def test_concurrent_writers_of_one_key_leave_one_file_with_the_same_bytes(tmp_path: Path) -> None:
+    stores = [DiskStore(tmp_path, 1 << 20) for _ in range(2)]  # e.g. a restarted actor
+    meta, data = chunk(7)
+    barrier = threading.Barrier(8)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        stores[i % 2].put([key(7)], [meta], [data])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in stores:
+        assert s.flush(5)
+    assert len(files(stores[0], "*")) == 1  # no temp files either
+    for s in stores:
+        assert np.array_equal(s.get([key(7)])[0][1], data)
+    assert len(stores[0].stats()["directory"]) > 0 and stores[0].stats()["pending_writes"] == 0
+
+
+def test_capacity_evicts_by_policy_and_returns_the_evicted_keys(tmp_path: Path) -> None:
+    file_size = ds.record_size(chunk(0)[0], key(0))  # body + header
+    store = DiskStore(tmp_path, 4 * file_size + 100, policy="lru")  # 4 files fit, not 5
+    put(store, range(4))  # one request: ordered deepest first, so 3 is the LRU entry
+    store.get([key(3)])  # now 3 is the most recent: 2 is the LRU victim
+    ack = put(store, [4])
+    assert ack.evicted == [key(2)] and ack.accepted == [key(4)]
+    assert not (Path(store.path_of(key(2)))).exists()
+    evicted = []
+    for i in range(5, 12):
+        evicted += put(store, [i]).evicted
+    st = store.stats()
+    assert st["used_bytes"] <= st["capacity_bytes"] and st["entries"] == 4
+    assert st["evictions"] == 1 + len(evicted) == 8
+    assert sorted(store.keys()) == [key(i) for i in range(8, 12)]
+    assert len(files(store)) == 4
+
+
+def test_chunk_larger_than_the_budget_is_skipped(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, 1024)
+    ack = put(store, [1])
+    assert ack.skipped == [key(1)] and store.keys() == [] and files(store) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "other_key"])
+def test_corrupt_or_truncated_file_is_a_miss_and_is_removed(store: DiskStore, damage) -> None:
+    put(store, [1, 2])
+    path = Path(store.path_of(key(1)))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-10] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "garbage":
+        raw = bytearray(b"\x80\x04 not a payload" * 10)
+    else:
+        raw = bytearray(Path(store.path_of(key(2))).read_bytes())
+    path.write_bytes(bytes(raw))
+    assert store.get([key(1), key(2)])[0] is None
+    assert not path.exists() and store.contains([key(1), key(2)]) == [False, True]
+    assert store.stats()["errors"] == 1
+
+
+def test_vanished_file_is_a_miss(store: DiskStore) -> None:
+    put(store, [1])
+    os.unlink(store.path_of(key(1)))
+    assert store.get_batch([key(1)])[0] == [None]
+    assert store.keys() == []
+
+
+def test_restart_on_the_same_directory_serves_the_same_bytes(tmp_path: Path) -> None:
+    first = DiskStore(tmp_path, 1 << 20)
+    put(first, range(6))
+    first.get([key(0)])
+    first.close()
+    os.utime(first.path_of(key(0)))  # mtime order stands in for recency after a restart
+    second = DiskStore(tmp_path, 1 << 20)
+    assert second.incarnation != first.incarnation
+    assert sorted(second.keys()) == [key(i) for i in range(6)]
+    assert second.stats()["used_bytes"] == first.stats()["used_bytes"]
+    for i in range(6):
+        meta, data = second.get([key(i)])[0]
+        assert meta == chunk(i)[0] and np.array_equal(data, chunk(i)[1])
+    # a smaller budget on reopen evicts the oldest files first
+    third = DiskStore(tmp_path, 3 * ds.record_size(chunk(0)[0], key(0)) + 100)
+    assert len(third.keys()) == 3 and key(0) in third.keys()
+
+
+def test_check_fix_removes_temp_and_bad_files_and_reconciles_the_index(store: DiskStore) -> None:
+    put(store, range(4))
+    shard = Path(store.path_of(key(0))).parent
+    (shard / f".{key(0).to_string()}.deadbeef.tmp").write_bytes(b"partial")  # crash leftover
+    Path(store.path_of(key(1))).write_bytes(b"RKVC broken header")
+    (shard / "not-a-key.rkv").write_bytes(b"x")
+    os.unlink(store.path_of(key(2)))
+    # a complete file written by another instance, unknown to this index
+    other = DiskStore(Path(store.directory).parent, 1 << 20)
+    put(other, [9])
+    report = store.check(fix=False)
+    assert report["temp_files"] == 1 and report["bad_files"] == 2
+    assert report["missing_files"] == 1 and report["adopted"] == 0
+    report = store.check(fix=True)
+    assert report["temp_files"] == 1 and report["bad_files"] == 2 and report["adopted"] == 1
+    assert sorted(store.keys()) == [key(0), key(3), key(9)]
+    assert sorted(p.name for p in files(store, "*")) == [
+        key(i).to_string() + ".rkv" for i in (0, 3, 9)
+    ]
+    clean = store.check(fix=True, deep=True)
+    assert clean["temp_files"] == clean["bad_files"] == clean["missing_files"] == 0
+    assert clean["entries"] == 3
+
+
+def test_disk_full_drops_the_write_without_raising(store: DiskStore, monkeypatch) -> None:
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ds, "_write_all", full)
+    ack = put(store, [1])  # no exception
+    assert ack.accepted == [key(1)]  # admitted; the write then failed in the background
+    assert store.contains([key(1)]) == [False] and files(store, "*") == []
+    st = store.stats()
+    assert st["errors"] == 1 and st["used_bytes"] == 0 and st["pending_bytes"] == 0
+    monkeypatch.undo()
+    put(store, [1])
+    assert store.contains([key(1)]) == [True]
+
+
+def test_full_write_queue_applies_back_pressure_then_skips(tmp_path: Path, monkeypatch) -> None:
+    store = DiskStore(tmp_path, 1 << 20, max_pending_writes=1, write_workers=1, queue_wait_s=0.05)
+    release = threading.Event()
+    real = ds._write_file
+    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(5), real(*a)))
+    assert put(store, [1], flush=False).accepted == [key(1)]
+    ack = put(store, [2], flush=False)  # the one slot is taken: waits 50 ms, then skips
+    assert ack.skipped == [key(2)] and store.stats()["skipped"] == 1
+    release.set()
+    assert store.flush(5) and store.keys() == [key(1)]
+
+
+def test_remove_of_a_pending_write_cancels_it(store: DiskStore, monkeypatch) -> None:
+    release = threading.Event()
+    real = ds._write_file
+    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(5), real(*a)))
+    put(store, [1], flush=False)
+    assert store.remove([key(1)]) == 0  # not held yet
+    release.set()
+    assert store.flush(5)
+    assert store.keys() == [] and files(store, "*") == []
+    assert store.stats()["pending_bytes"] == 0
+
+
+def test_wrong_sized_array_is_skipped(store: DiskStore) -> None:
+    meta, data = chunk(1)
+    ack = store.put([key(1)], [meta], [data[:-1]])
+    assert ack.skipped == [key(1)]

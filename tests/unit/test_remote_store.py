@@ -1,0 +1,161 @@
+"""Remote tier logic without Ray: timeouts, back-off and masking (RemoteStore), and the
+KVServer's budget and ordering (KVServerState)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from raykv.actors import remote_store as rs
+from raykv.actors.base import PutAck
+from raykv.actors.kv_server import KVServerState
+from raykv.actors.remote_store import RemoteStore
+from raykv.config import RayKVConfig
+from raykv.keys import make_key
+from raykv.payload import PayloadMeta
+
+
+def key(i: int):
+    return make_key("m", 1, 0, f"{i:032x}", "bfloat16")
+
+
+META = PayloadMeta("bfloat16", (2, 1, 4, 8))  # 128 bytes
+
+
+def data(i: int) -> np.ndarray:
+    return np.full(META.nbytes, i, dtype=np.uint8)
+
+
+class FakeBackend:
+    """A back end that hangs, fails or answers, as the test says."""
+
+    scheme = "fake"
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.calls = 0
+
+    async def _act(self, value: Any) -> Any:
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.sleep(60)
+        if self.mode == "fail":
+            raise ConnectionError("refused by redis://:s3cret@host:1/0")
+        return value
+
+    async def put(self, keys, metas, batch) -> PutAck:
+        return await self._act(PutAck(accepted=list(keys)))
+
+    async def get_batch(self, keys):
+        return await self._act(([META] * len(keys), [data(1)] * len(keys)))
+
+    async def contains(self, keys):
+        return await self._act([True] * len(keys))
+
+    async def remove(self, keys):
+        return await self._act(len(keys))
+
+    async def keys(self):
+        return await self._act([key(1)])
+
+    async def clear(self):
+        return await self._act(None)
+
+    async def stats(self):
+        return await self._act({"entries": 1})
+
+    async def close(self):
+        return None
+
+
+def store(backend: FakeBackend) -> RemoteStore:
+    cfg = RayKVConfig(remote_url="redis://:s3cret@host:1/0", lookup_timeout_ms=100)
+    return RemoteStore(cfg, backend=backend)
+
+
+def test_a_hanging_remote_costs_a_bounded_miss_then_backs_off() -> None:
+    backend = FakeBackend()
+    s = store(backend)
+
+    async def run() -> None:
+        backend.mode = "hang"
+        start = time.monotonic()
+        assert await s.contains([key(1), key(2)]) == [False, False]
+        assert time.monotonic() - start < 0.5  # bounded by lookup_timeout_ms=100
+        calls = backend.calls
+        start = time.monotonic()
+        metas, arrays = await s.get_batch([key(1)])  # inside the back-off window: no call
+        assert metas == [None] and arrays[0].size == 0 and backend.calls == calls
+        assert time.monotonic() - start < 0.05
+        ack = await s.put([key(3)], [META], [data(3)])
+        assert ack.skipped == [key(3)] and not ack.accepted
+        backend.mode = "ok"
+        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.05)
+        assert await s.contains([key(1)]) == [True]  # reconnected
+        stats = await s.stats()
+        assert stats["healthy"] and stats["errors"] == 1 and stats["skipped_while_down"] == 2
+
+    asyncio.run(run())
+
+
+def test_failures_never_raise_and_never_show_the_password(caplog, monkeypatch) -> None:
+    monkeypatch.setattr(rs, "BACKOFF_MAX_S", 0.05)
+    backend = FakeBackend()
+    backend.mode = "fail"
+    s = store(backend)
+
+    async def run() -> None:
+        assert await s.remove([key(1)]) == 0
+        await asyncio.sleep(rs.BACKOFF_MAX_S + 0.05)
+        assert await s.keys() == []
+        await asyncio.sleep(rs.BACKOFF_MAX_S + 0.05)
+        await s.clear()
+        assert "s3cret" not in repr(s) and "***" in s.url
+
+    with caplog.at_level("DEBUG", logger="raykv"):
+        asyncio.run(run())
+    assert "failed on remove" in caplog.text and "s3cret" not in caplog.text
+
+
+def test_unknown_scheme_lists_the_known_ones() -> None:
+    from raykv.errors import InvalidInputError
+    from raykv.remote_backends import make_backend
+
+    cfg = RayKVConfig()
+    with pytest.raises(InvalidInputError, match="known: ray, redis, rediss"):
+        make_backend("memcached://:pw@h:1", cfg, 1.0)
+
+
+def kv_state(capacity: int) -> KVServerState:
+    return KVServerState(capacity, "lru", store=lambda a: a.copy(), load=lambda hs: list(hs))
+
+
+def test_kv_server_state_keeps_the_first_value_and_evicts_deepest_first() -> None:
+    s = kv_state(4 * META.nbytes)
+    ack = s.put([key(i) for i in range(4)], [META] * 4, [data(i) for i in range(4)])
+    assert ack.accepted == [key(i) for i in range(4)]
+    assert s.put([key(0)], [META], [data(99)]).accepted == [key(0)]
+    metas, arrays = s.get_batch([key(0), key(7)])
+    assert metas == [META, None] and np.array_equal(arrays[0], data(0)) and arrays[1].size == 0
+    # one request is ordered deepest first: chunk 3 goes before its prefix
+    ack = s.put([key(4)], [META], [data(4)])
+    assert ack.evicted == [key(3)]
+    assert s.stats()["used_bytes"] == 4 * META.nbytes
+    assert s.remove([key(4), key(9)]) == 1 and len(s.keys()) == 3
+
+
+def test_kv_server_state_skips_what_cannot_fit_and_a_failed_store() -> None:
+    s = kv_state(META.nbytes)
+    ack = s.put([key(1), key(2)], [META] * 2, [data(1), data(2)])
+    assert ack.accepted == [key(1)] and ack.evicted == [] and ack.skipped == [key(2)]
+
+    def broken(_: np.ndarray) -> Any:
+        raise MemoryError("object store full")
+
+    s2 = KVServerState(1 << 20, store=broken, load=list)
+    assert s2.put([key(1)], [META], [data(1)]).skipped == [key(1)]
+    assert s2.stats()["used_bytes"] == 0 and s2.stats()["errors"] == 1
