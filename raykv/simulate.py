@@ -43,11 +43,12 @@ class Result:
 
 
 def _id(text: str) -> int | str:
-    # Integer ids hash faster and match libCacheSim's numeric ids.
-    try:
+    # Integer ids hash faster and match libCacheSim's numeric ids. Only a
+    # canonical ASCII decimal becomes an int: "01", "+1", "1_0" and "-1" stay
+    # strings, so distinct ids never merge.
+    if text.isascii() and text.isdigit() and (text[0] != "0" or len(text) == 1):
         return int(text)
-    except ValueError:
-        return text
+    return text
 
 
 def detect_format(path: str) -> str:

@@ -8,6 +8,7 @@ out-of-tree class taking ``(capacity, **params)``. Classes load lazily.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from raykv.errors import ConfigError
@@ -69,9 +70,15 @@ def make_policy(name: str, capacity: int, **params: Any) -> Policy:
     """Build the policy ``name`` sized for ``capacity`` objects."""
     cls = policy_class(name)
     try:
-        return cls(capacity, **params)
-    except TypeError as exc:
-        raise ConfigError(f"policy {name!r}: bad parameters {params!r} ({exc})") from None
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # not introspectable: let the call report itself
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(capacity, **params)
+        except TypeError as exc:
+            raise ConfigError(f"policy {name!r}: bad parameters {params!r} ({exc})") from None
+    return cls(capacity, **params)
 
 
 def __getattr__(attr: str) -> Any:

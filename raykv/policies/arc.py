@@ -15,7 +15,11 @@ class ARCPolicy(BasePolicy):
     of T1: a hit in B1 grows it by ``max(|B2|/|B1|, 1)``, a hit in B2 shrinks
     it by ``max(|B1|/|B2|, 1)``. Pass the key about to be inserted as
     ``evict(..., incoming=key)`` so the target adapts before victims are
-    chosen, as in the paper; without it ``insert`` adapts afterwards.
+    chosen, as in the paper; without it ``insert`` adapts afterwards. An
+    ``evict`` that finds no victim leaves ``p`` alone. Every ``insert`` and
+    ``evict`` keeps the ghosts (trimming their LRU ends) within the paper's
+    bounds |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c, which a store
+    evicting several keys at once would otherwise break.
     """
 
     name = "arc"
@@ -47,7 +51,22 @@ class ARCPolicy(BasePolicy):
         if self._b1.pop(key, False) is None or self._b2.pop(key, False) is None:
             self._t2[key] = None
         else:
-            self._t1[key] = None
+            self._t1[key] = None  # the only insert that can break a bound
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop ghost LRU ids past the paper's bounds (relaxed only if over-filled)."""
+        t1, b1, b2 = len(self._t1), self._b1, self._b2
+        extra = t1 + len(b1) - self.capacity
+        if extra > 0:
+            for _ in range(min(extra, len(b1))):
+                b1.popitem(last=False)
+        extra = t1 + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
+        if extra > 0:
+            for ghost in (b2, b1):
+                while extra and ghost:
+                    ghost.popitem(last=False)
+                    extra -= 1
 
     def touch(self, key: Key) -> None:
         if self._t1.pop(key, False) is None:
@@ -102,7 +121,13 @@ class ARCPolicy(BasePolicy):
     def evict(
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
-        if incoming is not None and incoming not in self and self._adapted != incoming:
+        if n <= 0:
+            return []
+        p, adapted = self.p, self._adapted
+        # Evicting never grows |T1|+|B1| or the total; only an over-filled cache
+        # (insert without evict) can leave bounds that need trimming afterwards.
+        overfull = len(self._t1) + len(self._t2) > self.capacity
+        if incoming is not None and incoming not in self and adapted != incoming:
             self._adapt(incoming)
         victims: list = []
         while len(victims) < n and len(self):
@@ -110,6 +135,10 @@ class ARCPolicy(BasePolicy):
             if key is None:
                 break
             victims.append(key)
+        if not victims:  # nothing changed: the insert may never come
+            self.p, self._adapted = p, adapted
+        elif overfull:
+            self._trim()
         return victims
 
     def clear(self) -> None:

@@ -13,21 +13,28 @@ Contract (pinned down by ``tests/unit/test_policies_contract.py``):
 * ``touch(key)`` and ``remove(key)`` of an absent key are no-ops, because a
   lazily batched touch may name keys that were evicted meanwhile.
 * ``evict(n, can_evict)`` removes and returns up to ``n`` keys for which
-  ``can_evict(key)`` is true, in eviction order. It never returns a pinned
-  key and never changes a pinned key's metadata (position, bits, counts):
-  pinned keys are skipped in place. Evictable keys the scan passes over age
-  exactly as the algorithm ages them (SIEVE/CLOCK clear their bit, S3-FIFO
-  moves small->main or reinserts in main). When no key is evictable the call
-  returns ``[]`` and leaves the state unchanged. The scan only walks over
-  pinned keys, so it never walks the whole cache when nothing is pinned.
+  ``can_evict(key)`` is true, in eviction order. The result may be partial:
+  fewer than ``n`` victims (even ``[]``) when fewer keys are evictable, so a
+  caller that needs room must check ``len(victims)``; the state stays
+  consistent either way. ``evict(n)`` with ``n <= 0`` returns ``[]`` and
+  changes nothing (not even ARC's target or a ghost). It never returns a
+  pinned key and never changes a pinned key's metadata (position, bits,
+  counts): pinned keys are skipped in place. Evictable keys the scan passes
+  over age exactly as the algorithm ages them (SIEVE/CLOCK clear their bit,
+  S3-FIFO moves small->main or reinserts in main). When no key is evictable
+  the call returns ``[]`` and leaves the state unchanged. The scan only walks
+  over pinned keys, so it never walks the whole cache when nothing is pinned.
 * Ghost and queue state (S3-FIFO's ghost FIFO, ARC's B1/B2) is internal: a
   victim's id enters the ghost inside ``evict``; a later ``insert`` of that id
-  consults the ghost. ``remove`` never adds to a ghost. S3-FIFO trims its
-  ghost to size on ``insert`` (after looking the new key up), so ``evict``
-  followed by ``insert`` matches the reference order "look up the ghost, then
-  evict". ARC adapts its target before choosing victims, so it takes the key
-  about to be inserted as ``evict(..., incoming=key)`` when the caller knows
-  it; every policy accepts and may ignore that keyword.
+  consults the ghost. ``remove`` never adds to a ghost. The reference order
+  is "look up the ghost, then evict", so both take the key about to be
+  inserted as ``evict(..., incoming=key)`` when the caller knows it (every
+  policy accepts and may ignore that keyword): ARC adapts its target before
+  choosing victims, S3-FIFO takes the key out of its ghost before trimming
+  it. Without ``incoming``, S3-FIFO defers trimming to the next ``insert``
+  (its ghost may exceed its size by the victims of one ``evict`` meanwhile)
+  and ARC adapts in ``insert``. Ghosts stay bounded: S3-FIFO's by its size,
+  ARC's by the paper's |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
 * ``capacity`` is the object count the policy is sized for. It sizes the
   internal queues (S3-FIFO small/main/ghost, SLRU segments, ARC); ``len``
   may exceed it if the caller inserts without evicting.
@@ -125,8 +132,7 @@ def touch_prefix(policy: Policy, keys: Sequence[Key]) -> None:
     prefix-closed (a chunk is useless without its parent).
     """
     for key in reversed(keys):
-        if key in policy:
-            policy.touch(key)
+        policy.touch(key)  # a no-op for an absent key
 
 
 def take(order: OrderedDict, n: int, can_evict: CanEvict | None, newest: bool = False) -> list:
@@ -144,6 +150,24 @@ def take(order: OrderedDict, n: int, can_evict: CanEvict | None, newest: bool = 
                 break
     for key in victims:
         del order[key]
+    return victims
+
+
+def pick(groups: Iterable[Iterable], n: int, can_evict: CanEvict | None) -> list:
+    """Up to ``n`` evictable keys, scanning ``groups`` in order; removes nothing.
+
+    For policies that keep keys in ordered buckets (LFU counts, priority
+    levels, SLRU segments), each bucket oldest first.
+    """
+    victims: list = []
+    if n <= 0:
+        return victims
+    for group in groups:
+        for key in group:
+            if can_evict is None or can_evict(key):
+                victims.append(key)
+                if len(victims) == n:
+                    return victims
     return victims
 
 

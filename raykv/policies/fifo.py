@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 
-from raykv.policies.base import BasePolicy, CanEvict, Key, take
+from raykv.policies._ordered import OrderedPolicy
+from raykv.policies.base import Key
 
 
-class FIFOPolicy(BasePolicy):
+class FIFOPolicy(OrderedPolicy):
     """First In, First Out (Belady, IBM Systems Journal 1966).
 
     Insertion order only; a hit is a no-op, eviction pops the oldest key.
     """
 
     name = "fifo"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._order: OrderedDict = OrderedDict()
-
-    def insert(self, key: Key, priority: float | None = None) -> None:
-        if key not in self._order:
-            self._order[key] = None
-
-    def touch(self, key: Key) -> None:
-        """A hit does not reorder a FIFO."""
-
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def evict(
-        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
-    ) -> list:
-        return take(self._order, n, can_evict)
-
-    def clear(self) -> None:
-        self._order.clear()
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
+    reorder_on_hit = False
+    evict_newest = False
 
     def simulate(self, ids: Iterable[Key]) -> int:
         cached: set = set()

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedDict
 
-from raykv.policies.base import BasePolicy, CanEvict, Key
+from raykv.policies.base import BasePolicy, CanEvict, Key, pick
 
 
 class LFUPolicy(BasePolicy):
@@ -58,19 +58,10 @@ class LFUPolicy(BasePolicy):
     def evict(
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
-        victims: list = []
-        for freq, bucket in self._buckets.items():
-            for key in bucket:
-                if can_evict is None or can_evict(key):
-                    victims.append((key, freq))
-                    if len(victims) == n:
-                        break
-            if len(victims) >= n:
-                break
-        for key, freq in victims:
-            del self._freq[key]
-            self._drop(key, freq)
-        return [key for key, _ in victims]
+        victims = pick(self._buckets.values(), n, can_evict)
+        for key in victims:
+            self.remove(key)
+        return victims
 
     def clear(self) -> None:
         self._freq.clear()

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from raykv.policies.base import BasePolicy, CanEvict, Key, take
+from raykv.policies._ordered import OrderedPolicy
+from raykv.policies.base import Key
 
 
-class LRUPolicy(BasePolicy):
+class LRUPolicy(OrderedPolicy):
     """Least Recently Used (the classic; Mattson et al., IBM Systems Journal 1970).
 
     One ``OrderedDict`` from least to most recently used; a hit moves the key
@@ -16,37 +17,8 @@ class LRUPolicy(BasePolicy):
     """
 
     name = "lru"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._order: OrderedDict = OrderedDict()
-
-    def insert(self, key: Key, priority: float | None = None) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-        else:
-            self._order[key] = None
-
-    def touch(self, key: Key) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def evict(
-        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
-    ) -> list:
-        return take(self._order, n, can_evict)
-
-    def clear(self) -> None:
-        self._order.clear()
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
+    reorder_on_hit = True
+    evict_newest = False
 
     def simulate(self, ids: Iterable[Key]) -> int:
         order: OrderedDict = OrderedDict()

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import OrderedDict
 from typing import Any
 
 from sortedcontainers import SortedDict
 
-from raykv.policies.base import BasePolicy, CanEvict, Key
+from raykv.errors import ConfigError, InvalidInputError
+from raykv.policies.base import BasePolicy, CanEvict, Key, pick
+
+
+def _valid(priority: object) -> bool:
+    """A finite real number (int, float, numpy scalar), not a bool."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Real):
+        return False
+    return isinstance(priority, numbers.Integral) or math.isfinite(priority)
 
 
 class PriorityPolicy(BasePolicy):
     """Caller-given priorities (as LMCache's priority-aware eviction), LRU within a level.
 
     ``insert(key, priority=p)``: lower ``p`` is evicted first; re-inserting
-    a cached key updates its priority. Levels are a ``SortedDict`` of
+    a cached key updates its priority. ``p`` is a finite int or float (else
+    InvalidInputError, state unchanged). Levels are a ``SortedDict`` of
     ``OrderedDict``; ``default_priority`` is used when none is given.
     """
 
@@ -22,6 +33,11 @@ class PriorityPolicy(BasePolicy):
 
     def __init__(self, capacity: int, default_priority: float = 0) -> None:
         super().__init__(capacity)
+        if not _valid(default_priority):
+            raise ConfigError(
+                f"policy 'priority': default_priority={default_priority!r} is invalid; "
+                "allowed: a finite int or float"
+            )
         self.default_priority = default_priority
         self._level: dict = {}
         self._levels: SortedDict = SortedDict()
@@ -32,6 +48,10 @@ class PriorityPolicy(BasePolicy):
     def insert(self, key: Key, priority: float | None = None) -> None:
         if priority is None:
             priority = self._level.get(key, self.default_priority)
+        elif not _valid(priority):
+            raise InvalidInputError(
+                f"priority={priority!r} for key {key!r} is invalid; allowed: a finite int or float"
+            )
         self.remove(key)
         self._level[key] = priority
         level = self._levels.get(priority)
@@ -55,15 +75,7 @@ class PriorityPolicy(BasePolicy):
     def evict(
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
-        victims: list = []
-        for level in self._levels.values():
-            for key in level:
-                if can_evict is None or can_evict(key):
-                    victims.append(key)
-                    if len(victims) == n:
-                        break
-            if len(victims) >= n:
-                break
+        victims = pick(self._levels.values(), n, can_evict)
         for key in victims:
             self.remove(key)
         return victims

@@ -6,7 +6,17 @@ from collections.abc import Iterable
 
 from raykv.policies.base import BasePolicy, CanEvict, Key
 
-_GONE = object()  # tombstone left where a key was evicted or removed
+
+class _Gone:
+    """The tombstone left where a key was evicted or removed; one per process."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "_GONE"  # copy and pickle keep the singleton, so ``is _GONE`` still holds
+
+
+_GONE = _Gone()
 
 
 class SIEVEPolicy(BasePolicy):
@@ -70,6 +80,8 @@ class SIEVEPolicy(BasePolicy):
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
         victims: list = []
+        if n <= 0:
+            return victims
         idle = 0  # live keys passed since the last change; a full lap means all pinned
         while len(victims) < n and self._pos and idle < len(self._pos):
             self._wrap_if_past_head()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raykv.errors import ConfigError
-from raykv.policies.base import BasePolicy, CanEvict, Key
+from raykv.policies.base import BasePolicy, CanEvict, Key, pick
 
 
 class SLRUPolicy(BasePolicy):
@@ -15,7 +15,7 @@ class SLRUPolicy(BasePolicy):
 
     New keys enter the probation segment (segment 0). A hit moves a key one
     segment up (or to the front of the top segment); a segment over its
-    share demotes its LRU key to the front of the segment below. Eviction
+    share demotes its LRU key to the MRU end of the segment below. Eviction
     takes the LRU key of the lowest non-empty segment. ``split`` gives the
     segments' shares of ``capacity`` (default 20:80, like libCacheSim's
     ``seg-size=1:4``). ``warm_fill=True`` copies libCacheSim's cold start: a
@@ -73,9 +73,7 @@ class SLRUPolicy(BasePolicy):
         # Overflow cascades down; segment 0 is bounded by the caller's evictions.
         while seg > 0 and len(self._segs[seg]) > self._caps[seg]:
             key = self._segs[seg].popitem(last=False)[0]
-            below = self._segs[seg - 1]
-            below[key] = None
-            below.move_to_end(key)
+            self._segs[seg - 1][key] = None  # a new key: already the newest there
             self._where[key] = seg - 1
             seg -= 1
 
@@ -87,15 +85,7 @@ class SLRUPolicy(BasePolicy):
     def evict(
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
-        victims: list = []
-        for seg in self._segs:
-            for key in seg:
-                if can_evict is None or can_evict(key):
-                    victims.append(key)
-                    if len(victims) == n:
-                        break
-            if len(victims) >= n:
-                break
+        victims = pick(self._segs, n, can_evict)
         for key in victims:
             self.remove(key)
         return victims

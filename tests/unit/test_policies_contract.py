@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 
 from raykv.errors import ConfigError
@@ -19,12 +21,22 @@ def _filled(name: str, n: int = 20, capacity: int = 10) -> Policy:
     return policy
 
 
+# State a drain cannot see: ghost ids (S3-FIFO, ARC's B1/B2), ARC's target and
+# adaptation marker, S3-FIFO's "came back from the ghost" marker.
+HIDDEN = ("_ghost", "_b1", "_b2", "p", "_adapted", "_returning")
+
+
 def _snapshot(policy: Policy) -> object:
-    """Everything a later eviction order depends on: drain a deep copy."""
+    """Everything a later eviction order depends on: drain a deep copy, plus the ghosts."""
     import copy
 
+    hidden = {}
+    for attr in HIDDEN:
+        if hasattr(policy, attr):
+            value = getattr(policy, attr)
+            hidden[attr] = list(value) if isinstance(value, OrderedDict) else value
     clone = copy.deepcopy(policy)
-    return clone.evict(len(clone) + 1)
+    return clone.evict(len(clone) + 1), hidden
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -77,6 +89,30 @@ def test_evict_with_nothing_evictable_changes_nothing(name: str) -> None:
     policy = _filled(name)
     before = _snapshot(policy)
     assert policy.evict(3, lambda k: False) == []
+    assert _snapshot(policy) == before
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_with_nothing_evictable_ignores_incoming(name: str) -> None:
+    """ARC must not adapt its target for an insert that cannot happen."""
+    policy = _filled(name)
+    gone = policy.evict(4)  # into the ghosts, where a policy keeps them
+    policy.insert("new")
+    before = _snapshot(policy)
+    for incoming in (*gone, "other"):
+        assert policy.evict(3, lambda k: False, incoming=incoming) == []
+        assert _snapshot(policy) == before
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n", [0, -1])
+def test_evict_zero_or_negative_returns_nothing_and_changes_nothing(name: str, n: int) -> None:
+    policy = _filled(name)
+    gone = policy.evict(2)
+    before = _snapshot(policy)
+    assert policy.evict(n) == []
+    assert policy.evict(n, lambda k: True, incoming=gone[0]) == []
+    assert policy.evict(n, incoming="new") == []
     assert _snapshot(policy) == before
 
 

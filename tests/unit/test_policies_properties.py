@@ -44,14 +44,56 @@ def test_random_operations_keep_len_contains_and_pins(
             policy.remove(key)
             model.discard(key)
         else:
-            victims = policy.evict(key % 4 + 1, lambda k: k not in pinned)
+            n = key % 5  # 0 included: evict(0) must evict nothing
+            victims = policy.evict(n, lambda k: k not in pinned)
             assert not set(victims) & pinned
             assert set(victims) <= model and len(set(victims)) == len(victims)
             evictable = model - pinned
-            assert len(victims) == min(key % 4 + 1, len(evictable))
+            assert len(victims) == min(n, len(evictable))
             model -= set(victims)
         assert len(policy) == len(model)
         assert all(k in policy for k in model)
+
+
+# -- ghost bounds ------------------------------------------------------------
+# A byte-budget store evicts several keys per miss (at least enough to make
+# room), naming the incoming key, and sometimes gives up on the insert.
+
+store_ops = st.lists(
+    st.tuples(st.integers(0, 60), st.integers(0, 4), st.booleans(), st.booleans()),
+    max_size=300,
+)
+
+
+def _ghost_bounds_hold(policy, capacity: int) -> bool:
+    if hasattr(policy, "_ghost"):  # S3-FIFO
+        return len(policy._ghost) <= policy._ghost_cap
+    t1, t2, b1, b2 = (len(q) for q in (policy._t1, policy._t2, policy._b1, policy._b2))
+    # ARC (Megiddo & Modha): |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
+    return t1 + b1 <= capacity and t1 + t2 + b1 + b2 <= 2 * capacity
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc"])
+@settings(max_examples=150, deadline=None)
+@given(ops=store_ops, capacity=st.integers(1, 12), pinned=st.frozensets(st.integers(0, 60)))
+def test_ghosts_stay_bounded_under_multi_key_evictions(
+    name: str,
+    ops: list,
+    capacity: int,
+    pinned: frozenset[int],
+) -> None:
+    policy = make_policy(name, capacity)
+    for key, extra, do_insert, pin in ops:
+        if key in policy:
+            policy.touch(key)
+            continue
+        n = extra if extra == 0 else max(extra, len(policy) - capacity + 1)
+        can_evict = (lambda k: k not in pinned) if pin else None
+        policy.evict(n, can_evict, incoming=key)
+        assert _ghost_bounds_hold(policy, capacity)
+        if do_insert and len(policy) < capacity:
+            policy.insert(key)
+            assert _ghost_bounds_hold(policy, capacity)
 
 
 # -- prefix closure ---------------------------------------------------------

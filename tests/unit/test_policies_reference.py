@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from raykv.errors import ConfigError
+from raykv.errors import ConfigError, InvalidInputError
 from raykv.policies import (
     LRUPolicy,
     known_policies,
@@ -68,6 +70,46 @@ def test_priority_evicts_lowest_priority_then_lru() -> None:
     assert policy.evict(3) == ["lo2", "lo1", "hi"]
 
 
+@pytest.mark.parametrize("capacity", [1, 5, 10, 40])
+def test_arc_keeps_the_papers_ghost_bounds_under_multi_evictions(capacity: int) -> None:
+    """A byte-budget store evicts several keys at once; B1/B2 must not grow past 2c."""
+    import random
+
+    rng = random.Random(capacity)
+    policy = make_policy("arc", capacity)
+    c = capacity
+    for _ in range(3000):
+        key = rng.randrange(20 * c)
+        if key in policy:
+            policy.touch(key)
+            continue
+        policy.evict(max(rng.randint(1, 4), len(policy) - c + 1), incoming=key)
+        if rng.random() < 0.7:
+            policy.insert(key)
+        t1, t2, b1, b2 = (len(q) for q in (policy._t1, policy._t2, policy._b1, policy._b2))
+        assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c
+
+
+def test_arc_bounds_return_once_an_overfilled_cache_is_evicted_back() -> None:
+    """Inserting without evicting relaxes the bounds; evicting back to c restores them."""
+    import random
+
+    rng, c = random.Random(7), 6
+    policy = make_policy("arc", c)
+    for _ in range(3000):
+        key = rng.randrange(10 * c)
+        if key in policy:
+            policy.touch(key)
+        elif rng.random() < 0.3:
+            policy.insert(key)  # no eviction: len may pass c
+        else:
+            policy.evict(rng.randint(1, 4) + max(0, len(policy) - c), incoming=key)
+            t1, t2, b1, b2 = (len(q) for q in (policy._t1, policy._t2, policy._b1, policy._b2))
+            assert t1 + b1 <= max(c, t1) and t1 + t2 + b1 + b2 <= max(2 * c, t1 + t2)
+            if len(policy) <= c:
+                assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c
+
+
 def test_slru_promotes_on_probation_hit_and_demotes_protected_overflow() -> None:
     policy = make_policy("slru", 5)  # probation 1, protected 4
     for key in "abcdef":
@@ -107,6 +149,52 @@ def test_sieve_hand_keeps_visited_keys() -> None:
     assert policy.evict(1) == ["a"]
 
 
+def test_sieve_survives_deepcopy_and_pickle_with_tombstones() -> None:
+    """The tombstone must stay the module's singleton, or a copy misreads it as a key."""
+    import copy
+    import pickle
+
+    policy = make_policy("sieve", 4)
+    for key in "abcd":
+        policy.insert(key)
+    policy.touch("a")
+    assert policy.evict(1) == ["b"]
+    policy.remove("c")
+    for clone in (copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+        assert clone.evict(3) == ["d", "a"]
+        assert len(clone) == 0
+
+
+@pytest.mark.parametrize("bad", ["high", float("nan"), float("inf"), -float("inf"), True, [1]])
+def test_priority_rejects_bad_priorities_without_changing_state(bad: object) -> None:
+    policy = make_policy("priority", 4)
+    policy.insert("a", priority=1)
+    for key in ("a", "new"):
+        with pytest.raises(InvalidInputError, match=re.escape(repr(bad))):
+            policy.insert(key, priority=bad)  # type: ignore[arg-type]
+    assert len(policy) == 1 and "new" not in policy
+    policy.insert("b", priority=0.5)
+    assert policy.evict(2) == ["b", "a"]  # "a" kept priority 1
+    assert len(policy) == 0
+
+
+def test_priority_accepts_ints_floats_and_numpy_numbers() -> None:
+    import numpy as np
+
+    policy = make_policy("priority", 4)
+    policy.insert("a", priority=np.float64(2.5))
+    policy.insert("b", priority=np.int64(1))
+    policy.insert("c", priority=10**30)
+    policy.insert("d", priority=-1.5)
+    assert policy.evict(4) == ["d", "b", "a", "c"]
+
+
+@pytest.mark.parametrize("bad", ["high", float("nan"), True])
+def test_priority_rejects_a_bad_default_priority(bad: object) -> None:
+    with pytest.raises(ConfigError, match="default_priority"):
+        make_policy("priority", 4, default_priority=bad)
+
+
 def test_registry_names_are_sorted_lower_case_and_case_insensitive() -> None:
     names = known_policies()
     assert names == sorted(names) and all(n == n.lower() for n in names)
@@ -127,6 +215,22 @@ def test_out_of_tree_policy_by_module_path() -> None:
     assert isinstance(policy, LRUPolicy)
     with pytest.raises(ConfigError, match="cannot be loaded"):
         make_policy("no.such.module:Thing", 3)
+
+
+def test_a_type_error_inside_a_constructor_is_not_hidden(monkeypatch) -> None:
+    """Only parameters that do not bind are "bad parameters"; a bug must surface as itself."""
+    import raykv.policies as policies
+
+    class Buggy(LRUPolicy):
+        def __init__(self, capacity: int, depth: int = 1) -> None:
+            super().__init__(capacity)
+            self.depth = depth + "1"  # a bug: TypeError
+
+    monkeypatch.setattr(policies, "policy_class", lambda name: Buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        make_policy("buggy", 3)
+    with pytest.raises(ConfigError, match="bad parameters"):
+        make_policy("buggy", 3, width=2)
 
 
 def test_bad_policy_parameters_are_config_errors() -> None:

@@ -102,3 +102,29 @@ def test_truncated_oracle_file_is_an_error(tmp_path, capsys) -> None:
     path.write_bytes(b"\0" * 30)
     assert _cli([str(path)]) == 2
     assert "24-byte" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("42", 42),
+        ("0", 0),
+        ("01", "01"),
+        ("+1", "+1"),
+        ("1_0", "1_0"),
+        ("-3", "-3"),
+        ("\u0661", "\u0661"),
+        ("\u00b2", "\u00b2"),
+        ("abc", "abc"),
+    ],
+)
+def test_only_canonical_ascii_digit_strings_become_ints(text: str, expected: object) -> None:
+    assert simulate._id(text) == expected and type(simulate._id(text)) is type(expected)
+
+
+def test_distinct_string_ids_stay_distinct(tmp_path, capsys) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("1\n01\n+1\n1_0\n10\n1\n")
+    assert _cli(["--json", "--size", "10", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unique"] == 5 and doc["results"][0]["misses"] == 5

@@ -1,0 +1,51 @@
+"""One ``OrderedDict`` of keys, oldest first: the shared body of LRU, MRU, FIFO and FILO."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import ClassVar
+
+from raykv.policies.base import BasePolicy, CanEvict, Key, take
+
+
+class OrderedPolicy(BasePolicy):
+    """A recency or insertion order; subclasses pick two switches.
+
+    ``reorder_on_hit``: a hit moves the key to the newest end (LRU, MRU) or
+    changes nothing (FIFO, FILO). ``evict_newest``: eviction pops the newest
+    end (MRU, FILO) instead of the oldest (LRU, FIFO).
+    """
+
+    reorder_on_hit: ClassVar[bool] = True
+    evict_newest: ClassVar[bool] = False
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict = OrderedDict()
+
+    def insert(self, key: Key, priority: float | None = None) -> None:
+        if key not in self._order:
+            self._order[key] = None
+        elif self.reorder_on_hit:
+            self._order.move_to_end(key)
+
+    def touch(self, key: Key) -> None:
+        if self.reorder_on_hit and key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def evict(
+        self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
+    ) -> list:
+        return take(self._order, n, can_evict, newest=self.evict_newest)
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
