@@ -15,7 +15,11 @@ def test_every_metric_is_a_raykv_name_with_a_known_kind():
         assert isinstance(tag_keys, tuple)
 
 
-def test_recording_without_ray_is_a_no_op_and_caches_nothing():
+def test_recording_without_ray_is_a_no_op_and_caches_nothing(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(metrics, "_created", {})
     metrics.inc("raykv_lookups")
     metrics.set_gauge("raykv_used_bytes", 5, tier="cpu", policy="lru")
     metrics.observe("raykv_store_latency_ms", 1.5)
