@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import InvalidInputError, RayKVError
-from raykv.keys import ChunkSpan, KeyMaker, as_token_array
+from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_SECS = 120.0
 # Slack on top of the manager's own bound for a put that may wait for room.
 _PUT_SLACK_SECS = 30.0
+# Pinned lookups a client may leave open before the oldest is unpinned (leases end them too).
+_MAX_OPEN_PINS = 4096
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class KVCache:
         self._keys = KeyMaker.from_config(config)
         self._dtype = getattr(torch, config.kv_dtype)
         self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
-        self._pins: dict[tuple[Any, ...], str] = {}
+        # Pinned lookups awaiting their retrieve: key of the last pinned chunk -> lookup id.
+        self._pins: OrderedDict[CacheKey, str] = OrderedDict()
         self._closed = False
 
     # ----- keys and validation -----
@@ -168,7 +172,7 @@ class KVCache:
         mask: Any = None,
         priority: int | None = None,
     ) -> int:
-        """Store the KV of `tokens`' chunks in every tier; returns the tokens newly cached in CPU.
+        """Store the KV of `tokens`' chunks in every tier; returns the tokens now held in CPU.
 
         `kv` is the prompt's KV as one `KV_2LTD` tensor `[2, L, num_tokens, hidden]`, a
         list of per-chunk `KV_2LTD` tensors, or a `KVTarget` (read through its connector).
@@ -189,7 +193,8 @@ class KVCache:
         result = self._call("put", self._packed(spans), metas, batch, timeout=timeout, default=None)
         if result is None:
             return 0
-        return sum(s.end - s.start for s in spans[: result.stored])
+        held = result.stored + result.present  # new, or already cached (the first put wins)
+        return sum(s.end - s.start for s in spans[:held])
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:
         num_layers, hidden = self._geometry  # type: ignore[misc]
@@ -205,21 +210,26 @@ class KVCache:
         if not spans:
             return 0
         if pin and lookup_id is None:
-            lookup_id = self._pins.setdefault(self._pin_key(spans), uuid.uuid4().hex)
-        hit = self._call(
-            "lookup",
-            self._packed(spans),
-            pin,
-            None,
-            lookup_id,
-            timeout=self._lookup_timeout,
-            default=0,
+            lookup_id = uuid.uuid4().hex
+        hit = int(
+            self._call(
+                "lookup",
+                self._packed(spans),
+                pin,
+                None,
+                lookup_id,
+                timeout=self._lookup_timeout,
+                default=0,
+            )
         )
-        return int(hit)
-
-    @staticmethod
-    def _pin_key(spans: list[ChunkSpan]) -> tuple[Any, ...]:
-        return (spans[0].key, spans[-1].key, len(spans))
+        if pin and hit:
+            # Keyed by the last hit chunk, so a retrieve of any token prefix that ends at or
+            # after it (the whole prompt, or just the hit prefix) finds and releases it.
+            last = max(i for i, s in enumerate(spans) if s.end <= hit)
+            self._pins[spans[last].key] = lookup_id
+            while len(self._pins) > _MAX_OPEN_PINS:
+                self.unpin(self._pins.popitem(last=False)[1])
+        return hit
 
     def prefetch(self, tokens: Any) -> str:
         """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
@@ -280,8 +290,11 @@ class KVCache:
         spans = self.spans(tokens, mask)
         if not spans:
             return [], []
-        if lookup_id is None:
-            lookup_id = self._pins.pop(self._pin_key(spans), None)
+        if lookup_id is None and self._pins:
+            for span in reversed(spans):
+                lookup_id = self._pins.pop(span.key, None)
+                if lookup_id is not None:
+                    break
         packed = self._packed(spans)
         for check_cpu in (False, True):
             result = self._call(

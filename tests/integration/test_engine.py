@@ -3,6 +3,7 @@ masks, pins, layerwise transfer, connector targets and input validation."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -30,25 +31,40 @@ def kv_for(tokens: np.ndarray) -> torch.Tensor:
     return torch.cat([kv, -kv]).to(torch.float16)
 
 
-@pytest.fixture
-def kv(tmp_path):
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    """One cache (namespace) for the module: actors start once. Tests use distinct prompts."""
     ns = f"t-eng-{uuid.uuid4().hex[:8]}"
-    cache = raykv.connect(
+    fields = dict(
         namespace=ns,
         chunk_size=C,
         kv_dtype="float16",
         max_local_cpu_size=0.01,
-        local_disk=str(tmp_path / "disk"),
+        local_disk=str(tmp_path_factory.mktemp("disk")),
         max_local_disk_size=0.05,
         use_layerwise=True,
         lookup_timeout_ms=2000,
         blocking_timeout_secs=0.5,
     )
     try:
-        yield cache
+        yield fields
     finally:
-        cache.close()
         shutdown_manager(ns)
+
+
+@pytest.fixture
+def kv(settings):
+    """A client of the module's cache (cheap: the actors already run)."""
+    with raykv.connect(**settings) as cache:
+        yield cache
+
+
+def wait_until(condition, seconds: float = 10.0) -> None:
+    """Poll for a state that a fire-and-forget message brings about."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def prompt(seed: int, n: int) -> np.ndarray:
@@ -131,7 +147,7 @@ def test_pinned_lookup_is_released_by_retrieve(kv):
     dest = torch.zeros(2, L, 2 * C, HIDDEN, dtype=torch.float16)
     assert kv.retrieve(tokens, dest).all()
     assert not kv._pins
-    assert ray.get(kv._manager.stats.remote())["tiers"]["cpu"]["pinned_entries"] == 0
+    wait_until(lambda: ray.get(kv._manager.stats.remote())["tiers"]["cpu"]["pinned_entries"] == 0)
 
 
 def test_disk_hit_after_cpu_eviction_gives_the_same_bytes(kv):
@@ -215,18 +231,12 @@ def test_bad_mask_raises(kv):
         kv.store(tokens, kv_for(tokens), mask=np.array([False] * 3 + [True] * (2 * C - 3)))
 
 
-def test_priority_limit_skips_low_priority_requests(tmp_path):
-    ns = f"t-eng-{uuid.uuid4().hex[:8]}"
-    with raykv.connect(
-        namespace=ns, chunk_size=C, kv_dtype="float16", max_local_cpu_size=0.01, priority_limit=1
-    ) as cache:
-        try:
-            tokens = prompt(13, 2 * C)
-            assert cache.store(tokens, kv_for(tokens), priority=5) == 0
-            assert cache.lookup(tokens) == 0
-            assert cache.store(tokens, kv_for(tokens), priority=1) == 2 * C
-        finally:
-            shutdown_manager(ns)
+def test_priority_limit_skips_low_priority_requests(settings):
+    with raykv.connect(**settings, priority_limit=1) as cache:
+        tokens = prompt(13, 2 * C)
+        assert cache.store(tokens, kv_for(tokens), priority=5) == 0
+        assert cache.lookup(tokens) == 0
+        assert cache.store(tokens, kv_for(tokens), priority=1) == 2 * C
 
 
 def test_closed_client_refuses_requests(kv):
