@@ -14,6 +14,7 @@ raises `raykv.errors.InvalidInputError` naming what was expected.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -110,13 +111,8 @@ class KVCache:
     def _payloads(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> list[np.ndarray]:
         """Flat uint8 buffers of the chunks, in span order, validated against the layout."""
         if isinstance(kv, KVTarget):
-            conn = kv.connector
-            if conn.dtype != self._dtype:
-                raise InvalidInputError(
-                    f"connector dtype {conn.dtype} != config kv_dtype {self._dtype}"
-                )
-            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
-            return [buf for buf, _ in conn.to_buffers(kv.buffers, spans, kv.slot_mapping)]
+            self._check_destination(kv, n_tokens)
+            return [buf for buf, _ in kv.connector.to_buffers(kv.buffers, spans, kv.slot_mapping)]
         if isinstance(kv, torch.Tensor):
             self._check_kv_tensor(kv, n_tokens, "kv")
             return [tensor_to_buffer(kv[:, :, s.start : s.end, :])[0] for s in spans]
@@ -244,8 +240,15 @@ class KVCache:
 
     def wait(self, lookup_id: str, timeout: float | None = None) -> int:
         """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidInputError(f"timeout must be a number >= 0 or None, got {timeout!r}")
+        if timeout is not None and (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not math.isfinite(timeout)  # NaN or inf would make Ray's own timeout raise
+            or timeout < 0
+        ):
+            raise InvalidInputError(
+                f"timeout must be a finite number >= 0 or None, got {timeout!r}"
+            )
         outer = None if timeout is None else timeout + self._lookup_timeout
         return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
 
@@ -269,10 +272,11 @@ class KVCache:
         pinned `lookup`) to use what it loaded and release its pins. With
         `return_tiers`, also returns the hit tokens per tier they were found in.
         """
-        chunks, tiers = self._fetch(tokens, mask, lookup_id)
         hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
+        self._check_destination(destination, len(hit))
+        chunks, tiers = self._fetch(tokens, mask, lookup_id)
         if chunks:
-            self._write(destination, chunks, len(hit))
+            self._write(destination, chunks)
             hit[chunks[0][0].start : chunks[-1][0].end] = True
         if not return_tiers:
             return hit
@@ -323,27 +327,42 @@ class KVCache:
         out = []
         for span, chunk in zip(spans, chunks, strict=False):
             meta = chunk.meta
-            expected = (2, *(self._geometry or (meta.shape[1], meta.shape[3])))
-            if (meta.shape[0], meta.shape[1], meta.shape[3]) != expected or meta.shape[2] != (
-                span.end - span.start
-            ):
-                raise InvalidInputError(
-                    f"cached chunk has shape {list(meta.shape)}, expected "
-                    f"[2, {expected[1]}, {span.end - span.start}, {expected[2]}]: two models "
-                    f"with different layouts share model_name={self.config.model_name!r}"
+            num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
+            expected = PayloadMeta(
+                self.config.kv_dtype, (2, num_layers, span.end - span.start, hidden)
+            )
+            if meta != expected:
+                # Not this model's KV (another model under the same model_name, or a hostile
+                # writer with a valid checksum): the prefix ends here, the app sees a miss.
+                logger.error(
+                    "raykv: cached chunk %s is %s, expected %s; treated as a miss "
+                    "(do two models share model_name=%r?)",
+                    span.key,
+                    meta,
+                    expected,
+                    self.config.model_name,
                 )
+                break
             out.append((span, buffer_to_tensor(values[chunk.ref][chunk.index], meta)))
         return out
 
+    def _check_destination(self, destination: torch.Tensor | KVTarget, n_tokens: int) -> None:
+        """Validate where KV will be written; fixes this client's layout if not yet known."""
+        if isinstance(destination, KVTarget):
+            conn = destination.connector
+            if conn.dtype != self._dtype:
+                raise InvalidInputError(
+                    f"connector dtype {conn.dtype} != config kv_dtype {self._dtype}"
+                )
+            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
+        else:
+            self._check_kv_tensor(destination, n_tokens, "destination")
+
     def _write(
-        self,
-        destination: torch.Tensor | KVTarget,
-        chunks: list[tuple[ChunkSpan, torch.Tensor]],
-        n_tokens: int,
+        self, destination: torch.Tensor | KVTarget, chunks: list[tuple[ChunkSpan, torch.Tensor]]
     ) -> None:
         if isinstance(destination, KVTarget):
             conn = destination.connector
-            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
             conn.from_payloads(
                 [t for _, t in chunks],
                 destination.buffers,
@@ -351,7 +370,6 @@ class KVCache:
                 destination.slot_mapping,
             )
             return
-        self._check_kv_tensor(destination, n_tokens, "destination")
         for span, tensor in chunks:
             destination[:, :, span.start : span.end, :].copy_(tensor)
 
@@ -369,9 +387,10 @@ class KVCache:
         """
         self._require_layerwise()
         spans = self.spans(tokens, mask)
-        conn = source.connector
-        self._check_geometry(conn.num_layers, conn.hidden, "the connector")
-        payloads, steps = conn.to_payloads_layerwise(source.buffers, spans, source.slot_mapping)
+        self._check_destination(source, 0)
+        payloads, steps = source.connector.to_payloads_layerwise(
+            source.buffers, spans, source.slot_mapping
+        )
         yield from steps
         if spans:
             self.store(tokens, list(payloads), mask)
@@ -386,12 +405,11 @@ class KVCache:
         mask is the generator's return value (`StopIteration.value`).
         """
         self._require_layerwise()
-        chunks, _ = self._fetch(tokens, mask, lookup_id)
         hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
-        conn = destination.connector
+        self._check_destination(destination, len(hit))
+        chunks, _ = self._fetch(tokens, mask, lookup_id)
         if chunks:
-            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
-            yield from conn.from_payloads_layerwise(
+            yield from destination.connector.from_payloads_layerwise(
                 [t for _, t in chunks],
                 destination.buffers,
                 [s.start for s, _ in chunks],

@@ -47,3 +47,33 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+# ----- stress tests: a marker and a duration knob (additive) -----
+
+SOAK_SECONDS_DEFAULT = 30.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-seconds",
+        type=float,
+        default=None,
+        help="steady-state duration of the soak test in seconds "
+        f"(default: $RAYKV_SOAK_SECONDS or {SOAK_SECONDS_DEFAULT:.0f})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "stress: soak and fault-injection tests (bounded; run by default)"
+    )
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    """How long the soak runs: --soak-seconds, else $RAYKV_SOAK_SECONDS, else the default."""
+    value = request.config.getoption("--soak-seconds")
+    if value is None:
+        value = float(os.environ.get("RAYKV_SOAK_SECONDS", SOAK_SECONDS_DEFAULT))
+    return value

@@ -225,6 +225,16 @@ def test_bad_kv_raises_with_expected_and_actual(kv):
         kv.retrieve(tokens, wrong)
 
 
+def test_chunks_of_another_layout_under_the_same_model_name_are_a_miss(settings):
+    tokens = prompt(15, 2 * C)
+    with raykv.connect(**settings) as writer:
+        writer.store(tokens, kv_for(tokens))
+    with raykv.connect(**settings) as reader:  # a fresh client: its layout comes from dest
+        wrong = torch.zeros(2, L + 1, 2 * C, HIDDEN, dtype=torch.float16)
+        assert not reader.retrieve(tokens, wrong).any()
+        assert not wrong.any()
+
+
 def test_bad_mask_raises(kv):
     tokens = prompt(12, 2 * C)
     with pytest.raises(InvalidInputError, match="multiple of chunk_size"):
