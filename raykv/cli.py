@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands (their optional dependencies import lazily).
-_SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate")
+_SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate", "raykv.stats_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,133 @@
+"""Per-node managers on a 3-node cluster: a prefix stored through node A is a hit on
+node B through the shared `ray://` remote tier and through the peer tier (A's CPU
+tier, found by the KVController); losing A's stores leaves B correct."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import ray
+import torch
+
+from raykv.actors.controller import get_or_create_controller
+from raykv.actors.kv_server import get_or_create_kv_server
+from raykv.actors.storage_manager import get_or_create_manager, manager_name, shutdown_manager
+from raykv.config import RayKVConfig
+from raykv.engine import KVCache
+
+CHUNK, LAYERS, HIDDEN, TOKENS = 16, 2, 8, 64
+
+
+def _config(**fields: Any) -> RayKVConfig:
+    return RayKVConfig.load(
+        namespace=f"cluster-{uuid.uuid4().hex[:8]}",
+        chunk_size=CHUNK,
+        kv_dtype="float32",
+        max_local_cpu_size=0.02,
+        max_remote_size=0.02,
+        lookup_timeout_ms=5000,
+        **fields,
+    )
+
+
+def _caches(cfg: RayKVConfig, cluster) -> tuple[KVCache, KVCache]:
+    a = KVCache(cfg, get_or_create_manager(cfg, cluster.a))
+    b = KVCache(cfg, get_or_create_manager(cfg, cluster.b))
+    for kv in (a, b):
+        assert kv._call("incarnations", timeout=60, default=None) is not None
+    return a, b
+
+
+def _prompt(seed: int) -> tuple[list[int], torch.Tensor]:
+    tokens = [seed * 1000 + i for i in range(TOKENS)]
+    kv = torch.randn(2, LAYERS, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return tokens, kv
+
+
+def _wait_known(cfg: RayKVConfig, kv: KVCache, tokens: list[int], instance: str) -> None:
+    """Until the controller lists `instance` for the whole prefix (reports are batched)."""
+    controller = get_or_create_controller(cfg.namespace)
+    keys = [s.key for s in kv.spans(tokens)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (instance, len(keys)) in ray.get(controller.best_instances.remote(keys)):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the controller never learnt about node A's chunks")
+
+
+def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_remote_tier(cluster):
+    cfg = _config(remote_url="ray://raykv-cluster-remote")
+    get_or_create_kv_server("raykv-cluster-remote", cfg, node_id=cluster.head)
+    try:
+        a, b = _caches(cfg, cluster)
+        tokens, kv = _prompt(1)
+        assert a.store(tokens, kv) == TOKENS
+        assert a.flush(30)
+        assert b.lookup(tokens) == TOKENS
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
+        assert hit.all() and tiers == {"remote": TOKENS}
+        torch.testing.assert_close(out, kv)
+    finally:
+        shutdown_manager(cfg.namespace)
+        ray.kill(ray.get_actor("raykv-cluster-remote", namespace=cfg.namespace), no_restart=True)
+
+
+def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
+    cfg = _config(enable_controller=True)  # no remote tier: only A's CPU tier has it
+    try:
+        a, b = _caches(cfg, cluster)
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        for node in (cluster.a, cluster.b):  # one manager and CPU store per node
+            assert manager_name(node) in names
+            assert f"raykv-cpu-store-{node[:12]}" in names
+        tokens, kv = _prompt(2)
+        assert a.store(tokens, kv) == TOKENS
+        _wait_known(cfg, a, tokens, cluster.a)
+        assert b.lookup(tokens) == TOKENS
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
+        assert hit.all() and tiers == {"peer": TOKENS}
+        torch.testing.assert_close(out, kv)
+        # Promoted into B's CPU tier: the next read is local.
+        hit, tiers = b.retrieve(tokens, torch.zeros_like(kv), return_tiers=True)
+        assert tiers == {"cpu": TOKENS}
+        stats = b.stats()["tiers"]["peer"]
+        assert stats["lookup_hit_chunks"] >= TOKENS // CHUNK
+    finally:
+        shutdown_manager(cfg.namespace)
+
+
+def test_killing_node_a_stores_leaves_node_b_correct(cluster):
+    cfg = _config(enable_controller=True, remote_url="ray://raykv-cluster-remote2")
+    get_or_create_kv_server("raykv-cluster-remote2", cfg, node_id=cluster.head)
+    try:
+        a, b = _caches(cfg, cluster)
+        tokens, kv = _prompt(3)
+        other, other_kv = _prompt(4)
+        a.store(tokens, kv)
+        a.store(other, other_kv)
+        assert a.flush(30)
+        _wait_known(cfg, a, tokens, cluster.a)
+        for name in (manager_name(cluster.a), f"raykv-cpu-store-{cluster.a[:12]}"):
+            ray.kill(ray.get_actor(name, namespace=cfg.namespace), no_restart=True)
+        # The controller still lists A: B's peer fetch fails, the remote serves the rest.
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
+        assert hit.all() and tiers == {"remote": TOKENS}
+        torch.testing.assert_close(out, kv)
+        out = torch.zeros_like(other_kv)
+        assert b.retrieve(other, out).all()
+        torch.testing.assert_close(out, other_kv)
+        # B keeps working for new prompts.
+        fresh, fresh_kv = _prompt(5)
+        assert b.store(fresh, fresh_kv) == TOKENS
+        out = torch.zeros_like(fresh_kv)
+        assert b.retrieve(fresh, out).all()
+        torch.testing.assert_close(out, fresh_kv)
+    finally:
+        shutdown_manager(cfg.namespace)
+        ray.kill(ray.get_actor("raykv-cluster-remote2", namespace=cfg.namespace), no_restart=True)
