@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from raykv.actors.base import PutAck
+from raykv.actors.common import check_put_lengths
 from raykv.config import mask_url
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
@@ -63,6 +64,10 @@ class RemoteBackend(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
+    async def server_id(self) -> str:
+        """An id of the server process that changes when it restarts (its data is gone)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -106,11 +111,7 @@ class RedisBackend:
 
     async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
         arrays = await resolve_batch_async(batch)
-        if not len(keys) == len(metas) == len(arrays):
-            raise InvalidInputError(
-                f"put needs one meta and one array per key: got {len(keys)} keys, "
-                f"{len(metas)} metas, {len(arrays)} arrays"
-            )
+        check_put_lengths(keys, metas, arrays)
         ack = PutAck()
         pipe = self._client.pipeline(transaction=False)
         sent: list[CacheKey] = []
@@ -195,6 +196,11 @@ class RedisBackend:
             "server_maxmemory": info.get("maxmemory"),
         }
 
+    async def server_id(self) -> str:
+        info = await self._client.info("server")
+        run_id = info.get("run_id")
+        return run_id.decode() if isinstance(run_id, bytes) else str(run_id or "")
+
     async def close(self) -> None:
         await self._client.aclose()
 
@@ -252,6 +258,9 @@ class RayServerBackend:
         out["url"] = self.masked_url
         out["server_incarnation"] = out.pop("incarnation", None)
         return out
+
+    async def server_id(self) -> str:
+        return await self._server.incarnation.remote()
 
     async def close(self) -> None:
         return None

@@ -25,6 +25,7 @@ def ray_session() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # always a fresh instance, never a cluster someone else started
         num_cpus=8,  # logical CPUs, so a handful of actors can be scheduled on a 2-core box
         object_store_memory=1 << 30,
         include_dashboard=False,

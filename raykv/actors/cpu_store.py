@@ -33,16 +33,7 @@ from raykv import metrics
 from raykv.actors.base import TIER_CPU, ChunkRef
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
-from raykv.policies import make_policy
-
-try:  # the prefix-closed helper of raykv.policies; fall back to touching in reverse
-    from raykv.policies import touch_prefix
-except ImportError:  # pragma: no cover - only while raykv.policies lacks it
-
-    def touch_prefix(policy: Any, keys: Sequence[Any]) -> None:
-        for key in reversed(keys):
-            policy.touch(key)
-
+from raykv.policies import make_policy, touch_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +43,8 @@ OBJECT_STORE_HEADROOM = 1.2
 _THREAD_PUT_BYTES = 8 << 20
 # A policy's `capacity` is an object count; size it for chunks of about this many bytes.
 _TYPICAL_CHUNK_BYTES = 1 << 20
+# How long a released lookup id is remembered (capped by the lease), so late pins are no-ops.
+CLOSED_LOOKUP_SECS = 60.0
 
 
 @dataclass(slots=True)
@@ -61,6 +54,7 @@ class _Batch:
     ref: Any
     nbytes: int
     live: int = 0
+    pins: int = 0  # pins held on its chunks: a batch with any pinned chunk is not evictable
 
 
 @dataclass(slots=True)
@@ -121,8 +115,14 @@ class CPUStore:
         self._entries: dict[CacheKey, _Entry] = {}
         self._leases: dict[str, _Lease] = {}
         self._lease_secs = lease_secs
+        # Lookup ids already released, with when to forget them (insertion order is expiry
+        # order). The manager sends pin and unpin without waiting and an async actor does
+        # not keep their order: a pin arriving after its unpin must not open a new lease.
+        self._closed: dict[str, float] = {}
+        self._closed_secs = min(lease_secs, CLOSED_LOOKUP_SECS)
         self._clock = clock
         self.used_bytes = 0  # physical: sum of the sizes of live batches
+        self.pinned_bytes = 0  # physical bytes of live batches with a pinned chunk
         self.live_bytes = 0  # sum of the sizes of indexed chunks
         self.reserved_bytes = 0  # promised to puts whose re-put is still running
         self.batches = 0
@@ -158,19 +158,27 @@ class CPUStore:
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes - self.reserved_bytes
 
+    @property
+    def obtainable_bytes(self) -> int:
+        """Free bytes plus what evicting every evictable batch would give back."""
+        return self.capacity - self.reserved_bytes - self.pinned_bytes
+
     # ----- allocation -----
 
     def _can_evict(self, key: CacheKey) -> bool:
-        return self._entries[key].pins == 0
+        # Memory is charged per batch: evicting a chunk whose batch has a pinned chunk
+        # frees nothing, so such a batch's chunks all stay.
+        return self._entries[key].batch.pins == 0
 
     def make_room(self, nbytes: int) -> tuple[bool, list[CacheKey]]:
-        """Evict unpinned entries by policy until `nbytes` fit; (fits, evicted keys).
+        """Evict unpinned batches' entries by policy until `nbytes` fit; (fits, evicted).
 
-        Never evicts a pinned entry. When it cannot make enough room it has evicted
-        every evictable entry (those never fit in the budget anyway).
+        Never evicts a pinned entry nor a sibling of one (that would free no memory),
+        and evicts nothing at all when even evicting everything evictable would not
+        make `nbytes` fit.
         """
         evicted: list[CacheKey] = []
-        if nbytes > self.capacity:
+        if nbytes > self.obtainable_bytes:
             return False, evicted
         while self.free_bytes < nbytes:
             victims = self._policy.evict(1, self._can_evict)
@@ -194,10 +202,15 @@ class CPUStore:
             return len(sizes), evicted
         if not partial:
             return 0, evicted
-        n, room, taken = 0, self.free_bytes, 0
+        n, room, taken = 0, self.obtainable_bytes, 0
         while n < len(sizes) and taken + sizes[n] <= room:
             taken += sizes[n]
             n += 1
+        if taken:
+            fits, more = self.make_room(taken)
+            evicted += more
+            if not fits:  # pragma: no cover - obtainable_bytes said it would fit
+                return 0, evicted
         self.reserved_bytes += taken
         return n, evicted
 
@@ -220,13 +233,20 @@ class CPUStore:
 
         `batch_bytes` is the object's physical size (default: the chunks' sizes);
         `reserved` the reservation it replaces. Keys already cached keep their first
-        copy. Chunks go into the policy deepest first, so the first chunk of a request
-        is the most recently used. With `lookup_id` the new entries are pinned under it
-        at once (a prefetch must not lose them before its get).
+        copy, and a key repeated in `keys` is indexed once. Chunks go into the policy
+        deepest first, so the first chunk of a request is the most recently used. With
+        `lookup_id` the new entries are pinned under it at once (a prefetch must not
+        lose them before its get), unless that lookup was already released. Returns
+        the entries added.
         """
         indices = range(len(keys)) if indices is None else indices
         entries = self._entries
-        new = [(k, m, i) for k, m, i in zip(keys, metas, indices, strict=True) if k not in entries]
+        new = []
+        seen: set[CacheKey] = set()
+        for k, m, i in zip(keys, metas, indices, strict=True):
+            if k not in entries and k not in seen:
+                seen.add(k)
+                new.append((k, m, i))
         self.reserved_bytes -= reserved
         if not new:
             return {}
@@ -253,6 +273,8 @@ class CPUStore:
         batch.live -= 1
         if batch.live == 0:
             self.used_bytes -= batch.nbytes
+            if batch.pins:  # removed while pinned: its bytes are no longer charged
+                self.pinned_bytes -= batch.nbytes
             self.batches -= 1
             batch.ref = None  # the store's reference goes; Ray frees the object
         self.evictions += 1
@@ -272,12 +294,17 @@ class CPUStore:
         self._entries.clear()
         self._leases.clear()
         self._policy.clear()
-        self.used_bytes = self.live_bytes = self.batches = 0
+        self.used_bytes = self.live_bytes = self.batches = self.pinned_bytes = 0
 
     # ----- pins, leases, touches -----
 
     def pin(self, lookup_id: str, keys: Sequence[CacheKey], lease_secs: float | None = None) -> int:
-        """Pin the cached `keys` under `lookup_id` until `unpin` or the lease ends."""
+        """Pin the cached `keys` under `lookup_id` until `unpin` or the lease ends.
+
+        A no-op (0) for a lookup already released: its pin lost the race with its unpin.
+        """
+        if lookup_id in self._closed:
+            return 0
         lease = self._leases.get(lookup_id)
         deadline = self._clock() + (self._lease_secs if lease_secs is None else lease_secs)
         if lease is None:
@@ -288,12 +315,22 @@ class CPUStore:
             entry = self._entries.get(key)
             if entry is not None:
                 entry.pins += 1
+                batch = entry.batch
+                batch.pins += 1
+                if batch.pins == 1 and batch.live:
+                    self.pinned_bytes += batch.nbytes
                 lease.entries.append(entry)
                 n += 1
         return n
 
     def unpin(self, lookup_id: str) -> int:
-        """Release every pin taken under `lookup_id`; returns how many."""
+        """Release every pin taken under `lookup_id`; returns how many.
+
+        The id is remembered as closed for a while: a later `pin` or pinning commit
+        under it is ignored (it arrived after this unpin).
+        """
+        self._closed.pop(lookup_id, None)  # re-insert: insertion order is expiry order
+        self._closed[lookup_id] = self._clock() + self._closed_secs
         lease = self._leases.pop(lookup_id, None)
         if lease is None:
             return 0
@@ -301,15 +338,31 @@ class CPUStore:
         # is not unpinned by mistake.
         for entry in lease.entries:
             entry.pins -= 1
+            batch = entry.batch
+            batch.pins -= 1
+            if batch.pins == 0 and batch.live:
+                self.pinned_bytes -= batch.nbytes
         return len(lease.entries)
 
+    def is_closed(self, lookup_id: str) -> bool:
+        return lookup_id in self._closed
+
     def expire_leases(self, now: float | None = None) -> list[str]:
-        """Unpin leases past their deadline (their client died or forgot); their ids."""
+        """Unpin leases past their deadline (their client died or forgot); their ids.
+
+        Also forgets released lookup ids older than their retention.
+        """
         now = self._clock() if now is None else now
         expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
         for lookup_id in expired:
             self.unpin(lookup_id)
         self.expired_leases += len(expired)
+        closed = self._closed
+        while closed:
+            lookup_id, until = next(iter(closed.items()))
+            if until > now:
+                break
+            del closed[lookup_id]
         return expired
 
     def next_lease_deadline(self) -> float | None:
@@ -334,7 +387,9 @@ class CPUStore:
             "batches": self.batches,
             "fragmentation": 1.0 - self.live_bytes / self.used_bytes if self.used_bytes else 0.0,
             "pinned_entries": pinned,
+            "pinned_bytes": self.pinned_bytes,
             "leases": len(self._leases),
+            "closed_lookups": len(self._closed),
             "evictions": self.evictions,
             "skipped": self.skipped,
             "expired_leases": self.expired_leases,
@@ -353,9 +408,12 @@ def object_store_bytes() -> int | None:
     return None
 
 
-def check_object_store(capacity_bytes: int) -> bool:
-    """Warn if Ray's object store cannot hold the CPU budget plus headroom (Ray would spill)."""
-    have = object_store_bytes()
+def check_object_store(capacity_bytes: int, have: int | None = None) -> bool:
+    """Warn if Ray's object store cannot hold the CPU budget plus headroom (Ray would spill).
+
+    `have` is the object store size if already known (default: ask Ray).
+    """
+    have = object_store_bytes() if have is None else have
     want = int(capacity_bytes * OBJECT_STORE_HEADROOM)
     if have is not None and have < want:
         logger.warning(
@@ -394,7 +452,8 @@ class CPUStoreActor:
         self._room: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._sweep_every = min(max(pin_lease_secs / 4, 0.05), 5.0)
-        self._object_store_ok = check_object_store(capacity_bytes)
+        self._object_store_bytes = object_store_bytes()  # read once: ray.nodes() is costly
+        self._object_store_ok = check_object_store(capacity_bytes, self._object_store_bytes)
 
     # ----- plumbing -----
 
@@ -456,16 +515,18 @@ class CPUStoreActor:
         chunks = self._store.chunk_refs(keys)
         return {k: c for k, c in zip(keys, chunks, strict=True) if c is not None}
 
-    def _skip(self, ack: CPUAck, keys: list[CacheKey]) -> None:
+    def _skip(self, ack: CPUAck, keys: list[CacheKey], reason: str | None = None) -> None:
         if keys:
             ack.skipped += keys
             self._store.skipped += len(keys)
             metrics.inc("raykv_skipped_stores", len(keys), tier=TIER_CPU)
+            stats = self._store
             logger.warning(
-                "CPU tier full of pinned chunks: %d chunk(s) not cached (%d pinned of %d)",
+                "CPU tier: %d chunk(s) not cached (%s; %d of %d bytes held by pinned batches)",
                 len(keys),
-                sum(1 for k in self._store.keys() if self._store.pins(k)),
-                len(self._store),
+                reason or "no unpinned room",
+                stats.pinned_bytes,
+                stats.capacity,
             )
 
     # ----- data path -----
@@ -512,15 +573,28 @@ class CPUStoreActor:
                     ref = await asyncio.to_thread(ray.put, parts)
                 else:
                     ref = ray.put(parts)
-            except Exception:
+            except Exception as exc:
+                # Keep the ack: `_allocate` may have evicted entries the caller must drop.
+                logger.warning("put: ray.put of %d bytes failed (%s); not cached", nbytes, exc)
                 store.release(nbytes)
-                raise
+                ref = None
             del parts, arrays
-            store.commit(
-                ref, taken, [metas[todo[k]] for k in taken], reserved=nbytes, lookup_id=lookup_id
-            )
-            ack.accepted = taken
-            metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
+            if ref is None:
+                self._skip(ack, taken, reason="the object store refused the batch")
+            else:
+                added = store.commit(
+                    ref,
+                    taken,
+                    [metas[todo[k]] for k in taken],
+                    batch_bytes=nbytes,
+                    reserved=nbytes,
+                    lookup_id=lookup_id,
+                )
+                ack.accepted = [k for k in taken if k in added]
+                # Put meanwhile by another request: the first put wins.
+                ack.present += [k for k in taken if k not in added]
+                if added:
+                    metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
         if ack.evicted:
             self._signal_room()
         ack.refs = self._readable(keys)
@@ -555,7 +629,7 @@ class CPUStoreActor:
         if new:
             n, ack.evicted = await self._allocate([batch_bytes], wait=False)
             if n:
-                store.commit(
+                added = store.commit(
                     arrays_ref,
                     [keys[i] for i in new],
                     [metas[i] for i in new],
@@ -564,8 +638,9 @@ class CPUStoreActor:
                     reserved=batch_bytes,
                     lookup_id=lookup_id,
                 )
-                ack.accepted = [keys[i] for i in new]
-                metrics.inc("raykv_stored_bytes", batch_bytes, tier=TIER_CPU)
+                ack.accepted = list(added)
+                if added:
+                    metrics.inc("raykv_stored_bytes", batch_bytes, tier=TIER_CPU)
             else:
                 self._skip(ack, [keys[i] for i in new])
         if lookup_id is not None and ack.present:
@@ -628,7 +703,7 @@ class CPUStoreActor:
     async def stats(self) -> dict[str, Any]:
         out = self._store.stats()
         out["incarnation"] = self._incarnation
-        out["object_store_bytes"] = object_store_bytes()
+        out["object_store_bytes"] = self._object_store_bytes
         out["object_store_ok"] = self._object_store_ok
         return out
 

@@ -25,7 +25,9 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
+import time
 import uuid
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +37,20 @@ from typing import Any
 import numpy as np
 import ray
 import xxhash
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv import metrics
-from raykv.actors.base import ACTOR_OPTIONS, DISK_STORE_NAME, TIER_DISK, PutAck
+from raykv.actors.base import DISK_STORE_NAME, TIER_DISK, PutAck
+from raykv.actors.common import (
+    DEFAULT_EXPECTED_CHUNK_BYTES,
+    ByteBudgetIndex,
+    check_put_lengths,
+    get_or_create_node_actor,
+    node_scoped_name,
+    resolve_batch,
+)
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, decode, encode_parts, read_header
-from raykv.policies import make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +63,6 @@ PARALLEL_READ_BYTES = 512 << 10
 _HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 _EMPTY = np.empty(0, dtype=np.uint8)
-DEFAULT_EXPECTED_CHUNK_BYTES = 2 << 20
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 
 
@@ -79,135 +86,6 @@ def record_size(meta: PayloadMeta, key: CacheKey) -> int:
     return _header_len(meta.dtype, shape0, len(meta.shape), meta.layout, key.to_string()) + (
         meta.nbytes
     )
-
-
-class ByteBudgetIndex:
-    """Sizes of the entries of one tier, its eviction policy and its byte budget.
-
-    Not thread-safe: the owning tier holds its lock around every call. Space for an
-    entry being written is *reserved* first (evicting complete entries by policy to make
-    room) and *committed* once the entry is complete, so `used + reserved` never exceeds
-    capacity. The put that admitted keys places them in the policy with `order()` once
-    (in request order, not write-completion order); a key is evictable only once it is
-    both complete and ordered, so a request never evicts its own earlier chunks.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        policy: str = "lru",
-        expected_entry_bytes: int = DEFAULT_EXPECTED_CHUNK_BYTES,
-    ) -> None:
-        if capacity_bytes <= 0:
-            raise InvalidInputError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        self.capacity = int(capacity_bytes)
-        self.policy_name = policy.lower()
-        # Policies are sized in objects; only queue-based ones (S3-FIFO, SLRU, ARC) use it.
-        slots = max(1, self.capacity // max(1, expected_entry_bytes))
-        self._policy = make_policy(policy, slots)
-        self._sizes: dict[Hashable, int] = {}
-        self._reserved: dict[Hashable, int] = {}
-        self.used = 0
-        self.reserved = 0
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sizes
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    def size_of(self, key: Hashable) -> int | None:
-        return self._sizes.get(key)
-
-    def keys(self) -> list:
-        return list(self._sizes)
-
-    def touch(self, key: Hashable) -> None:
-        self._policy.touch(key)
-
-    def _complete(self, key: Hashable) -> bool:
-        return key in self._sizes
-
-    def _evict_one(self, incoming: Hashable = None) -> tuple[Hashable, int] | None:
-        got = self._policy.evict(1, self._complete, incoming=incoming)
-        if not got:
-            return None
-        size = self._sizes.pop(got[0])
-        self.used -= size
-        return got[0], size
-
-    def reserve(self, key: Hashable, size: int) -> tuple[bool, list[tuple[Hashable, int]]]:
-        """Reserve `size` bytes for `key`, evicting by policy: (fits, [(victim, size)]).
-
-        Reserved entries cannot be evicted, so a request larger than
-        `capacity - reserved` fails at once without evicting anything.
-        """
-        if size > self.capacity - self.reserved:
-            return False, []
-        victims: list[tuple[Hashable, int]] = []
-        while self.used + self.reserved + size > self.capacity:
-            victim = self._evict_one(incoming=key)
-            if victim is None:
-                break
-            victims.append(victim)
-        fits = self.used + self.reserved + size <= self.capacity
-        if fits:
-            self._reserved[key] = size
-            self.reserved += size
-        return fits, victims
-
-    def order(self, keys: Iterable[Hashable]) -> None:
-        """Insert admitted keys into the policy, in the given order (last = most recent)."""
-        for key in keys:
-            if key in self._reserved or key in self._sizes:
-                self._policy.insert(key)
-
-    def commit(self, key: Hashable, size: int) -> None:
-        """Turn `key`'s reservation into an entry of its real size (at most the reservation)."""
-        self.reserved -= self._reserved.pop(key, 0)
-        self._sizes[key] = size
-        self.used += size
-
-    def unreserve(self, key: Hashable) -> None:
-        """Drop a reservation whose write failed or was cancelled."""
-        self.reserved -= self._reserved.pop(key, 0)
-        if key not in self._sizes:
-            self._policy.remove(key)
-
-    def add(self, key: Hashable, size: int) -> None:
-        """Record an entry without a reservation (index rebuild); may exceed capacity."""
-        old = self._sizes.get(key)
-        if old is not None:
-            self.used -= old
-        self._sizes[key] = size
-        self.used += size
-        self._policy.insert(key)
-
-    def discard(self, key: Hashable) -> int | None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
-            self._policy.remove(key)
-        return size
-
-    def shrink(self) -> list[tuple[Hashable, int]]:
-        """Evict until within capacity (after a rebuild or a capacity change)."""
-        victims: list[tuple[Hashable, int]] = []
-        while self.used + self.reserved > self.capacity:
-            victim = self._evict_one()
-            if victim is None:
-                break
-            victims.append(victim)
-        return victims
-
-    def clear(self) -> list[Hashable]:
-        """Drop every complete entry (reservations stay until their writes finish)."""
-        keys = list(self._sizes)
-        for key in keys:
-            self._policy.remove(key)
-        self._sizes.clear()
-        self.used = 0
-        return keys
 
 
 @dataclass(slots=True, eq=False)
@@ -262,10 +140,29 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def _read_file(path: str) -> np.ndarray:
-    """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise."""
-    with open(path, "rb", buffering=0) as f:
+def _open_regular(path: str) -> Any:
+    """Open `path` for reading only if it is a regular file, never following a symlink and
+    never blocking (a FIFO or device dropped under a chunk's name is refused, not read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PayloadError("not a regular file")
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_file(path: str, expected_size: int | None = None) -> np.ndarray:
+    """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
+
+    A file whose size is not `expected_size` (the size the index recorded) is refused
+    before anything is allocated: a swapped-in huge file must not be read into memory.
+    """
+    with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
         buf = np.empty(size, dtype=np.uint8)
         view = memoryview(buf)
         done = 0
@@ -275,6 +172,18 @@ def _read_file(path: str) -> np.ndarray:
                 raise PayloadError(f"file shrank while reading: {done} of {size} bytes")
             done += n
     return buf
+
+
+def _file_name(key: CacheKey) -> str:
+    """`key.to_string()`, checked to be one safe path component.
+
+    `CacheKey`'s constructor does not validate (it is on the hot path), so a key built by
+    hand, or sent by a hostile client, could carry a path separator in its hash or dtype.
+    """
+    text = key.to_string()
+    if not _HEX32.match(key.chunk_hash) or "/" in text or "\\" in text or "\x00" in text:
+        raise InvalidInputError(f"not a valid chunk key for a file name: {text!r:.120}")
+    return text
 
 
 class _KeyParser:
@@ -396,11 +305,11 @@ class DiskStore:
     # ----- paths -----
 
     def path_of(self, key: CacheKey) -> str:
-        """The final file of `key`."""
-        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], key.to_string() + SUFFIX)
+        """The final file of `key`; `InvalidInputError` for a key that is no safe file name."""
+        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], _file_name(key) + SUFFIX)
 
     def _tmp_path(self, key: CacheKey) -> str:
-        name = f".{key.to_string()}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+        name = f".{_file_name(key)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
         return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], name)
 
     def _write_layout_file(self) -> None:
@@ -452,6 +361,9 @@ class DiskStore:
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device: never ours
+                bad += 1
                 continue
             found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])  # oldest first, so LRU order survives a restart
@@ -542,7 +454,7 @@ class DiskStore:
             if deep:
                 decode(_read_file(path), expected_key=key.to_string())
                 return None
-            with open(path, "rb", buffering=0) as f:
+            with _open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(_HEADER_PROBE)
             header = read_header(head)
@@ -576,18 +488,27 @@ class DiskStore:
         """Admit chunks (evicting to make room) and write them in the background.
 
         A key already held or being written is accepted without a rewrite. When the
-        write queue is full, waits up to `queue_wait_s` for a slot, then skips the chunk.
+        write queue is full, waits for a slot until one deadline, `queue_wait_s` after
+        the call, for the whole put; once it passed, the remaining chunks are skipped.
         """
-        if not len(keys) == len(metas) == len(arrays):
-            raise InvalidInputError(
-                f"put needs one meta and one array per key: got {len(keys)} keys, "
-                f"{len(metas)} metas, {len(arrays)} arrays"
-            )
+        check_put_lengths(keys, metas, arrays)
         if self._closed:
             raise InvalidInputError("put on a closed DiskStore")
         ack = PutAck()
+        deadline = time.monotonic() + self._queue_wait_s
+        queue_full = 0
         for key, meta, array in zip(keys, metas, arrays, strict=True):
-            self._put_one(key, meta, array, ack)
+            if queue_full:
+                ack.skipped.append(key)
+                queue_full += 1
+            elif not self._put_one(key, meta, array, ack, deadline):
+                queue_full = 1
+        if queue_full:
+            logger.warning(
+                "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
+                self._queue_wait_s,
+                queue_full,
+            )
         with self._lock:
             # Deepest chunk first, so a request's first chunk is the most recent and the
             # cache stays prefix-closed (a chunk is useless without its parent).
@@ -599,7 +520,16 @@ class DiskStore:
         self._publish()
         return ack
 
-    def _put_one(self, key: CacheKey, meta: PayloadMeta, array: np.ndarray, ack: PutAck) -> None:
+    def _put_one(
+        self, key: CacheKey, meta: PayloadMeta, array: np.ndarray, ack: PutAck, deadline: float
+    ) -> bool:
+        """Admit one chunk; False only if no write slot freed up before `deadline`."""
+        try:
+            _file_name(key)
+        except InvalidInputError as exc:
+            logger.warning("disk tier: skipping a chunk: %s", exc)
+            ack.skipped.append(key)
+            return True
         nbytes = getattr(array, "nbytes", -1)
         if nbytes != meta.nbytes:
             logger.warning(
@@ -609,17 +539,14 @@ class DiskStore:
                 meta.nbytes,
             )
             ack.skipped.append(key)
-            return
+            return True
         state = self._held(key)
         if state is not None:
             (ack.accepted if state else ack.skipped).append(key)
-            return
-        if not self._slots.acquire(timeout=self._queue_wait_s):
-            logger.warning(
-                "disk tier: write queue full for %.1f s, skipping a chunk", self._queue_wait_s
-            )
+            return True
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             ack.skipped.append(key)
-            return
+            return False
         reserve = record_size(meta, key)
         rec: _Pending | None = None
         victims: list[tuple[Hashable, int]] = []
@@ -640,6 +567,7 @@ class DiskStore:
         self._unlink_keys([k for k, _ in victims])
         if rec is not None:
             self._pool.submit(self._write, rec)
+        return True
 
     def _held(self, key: CacheKey, locked: bool = False) -> bool | None:
         """True if held or being written, False if it must be skipped now, None if new."""
@@ -721,9 +649,8 @@ class DiskStore:
         """(meta, flat uint8 array) per key, None for a miss; hits are touched deepest first."""
         with self._lock:
             sizes = [self._index.size_of(key) for key in keys]
-            for key, size in zip(reversed(keys), reversed(sizes), strict=True):
-                if size is not None:  # deepest first: see put()
-                    self._index.touch(key)
+            # deepest first: see put()
+            self._index.touch_prefix([k for k, n in zip(keys, sizes, strict=True) if n is not None])
         found = [key for key, size in zip(keys, sizes, strict=True) if size is not None]
         big = sum(s for s in sizes if s is not None) >= PARALLEL_READ_BYTES * len(found)
         if self._read_pool is not None and len(found) > 1 and big:
@@ -749,8 +676,10 @@ class DiskStore:
 
     def _read(self, key: CacheKey) -> tuple[PayloadMeta, np.ndarray] | None:
         path = self.path_of(key)
+        with self._lock:
+            expected = self._index.size_of(key)
         try:
-            decoded = decode(_read_file(path), expected_key=key.to_string())
+            decoded = decode(_read_file(path, expected), expected_key=key.to_string())
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
             self._drop(key, unlink=False)
@@ -871,39 +800,38 @@ class DiskStore:
 
 # ----- the actor -----
 
-
-def resolve_batch(batch: Any) -> list[np.ndarray]:
-    """The arrays of a put: `[ObjectRef]` whose values are `list[np.ndarray]` (zero-copy on
-    the same node), a bare ObjectRef, or the arrays themselves (passed by value)."""
-    if isinstance(batch, ray.ObjectRef):
-        batch = [batch]
-    batch = list(batch)
-    if batch and all(isinstance(b, ray.ObjectRef) for b in batch):
-        return [array for part in ray.get(batch) for array in part]
-    return batch
+# Threads of the disk actor's concurrency groups: puts (may wait on the write queue) and reads.
+DISK_WRITE_CALLS = 8
+DISK_READ_CALLS = 8
 
 
-def node_scoped_name(base: str, node_id: str) -> str:
-    """The name of a node-scoped actor: `<base>-<node_id[:12]>`."""
-    return f"{base}-{node_id[:12]}"
-
-
-@ray.remote(num_cpus=0, max_concurrency=16)
+@ray.remote(
+    num_cpus=0,
+    max_concurrency=4,
+    concurrency_groups={"write": DISK_WRITE_CALLS, "read": DISK_READ_CALLS},
+)
 class DiskStoreActor:
-    """Thin threaded Ray actor around one `DiskStore` (implements `LowerTier`)."""
+    """Thin threaded Ray actor around one `DiskStore` (implements `LowerTier`).
+
+    Puts (which may block on a full write queue) run in their own concurrency group, and
+    reads in another, so blocked puts never starve `get_batch`/`contains`; control calls
+    (`incarnation`, `keys`, `stats`...) use the default group.
+    """
 
     def __init__(self, config: Any, **overrides: Any) -> None:
         self._store = DiskStore.from_config(config, **overrides)
 
+    @ray.method(concurrency_group="write")
     def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
         # The arrays are zero-copy views of the caller's object; the pending writes
         # hold them until their files are complete.
         return self._store.put(keys, metas, resolve_batch(batch))
 
-    @ray.method(num_returns=2)
+    @ray.method(num_returns=2, concurrency_group="read")
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         return self._store.get_batch(keys)
 
+    @ray.method(concurrency_group="read")
     def contains(self, keys: list[CacheKey]) -> list[bool]:
         return self._store.contains(keys)
 
@@ -937,14 +865,15 @@ def get_or_create_disk_store(
     Named `raykv-disk-store-<node_id[:12]>` in `config.namespace`, pinned to its node
     (its directory is local), restarted forever; a restart rebuilds the index from disk.
     """
-    node_id = node_id or ray.get_runtime_context().get_node_id()
-    return DiskStoreActor.options(
-        name=name or node_scoped_name(DISK_STORE_NAME, node_id),
-        namespace=config.namespace,
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **ACTOR_OPTIONS,
-    ).remote(config, **overrides)
+    return get_or_create_node_actor(
+        DiskStoreActor,
+        DISK_STORE_NAME,
+        config.namespace,
+        config,
+        node_id=node_id,
+        name=name,
+        **overrides,
+    )
 
 
 __all__ = [

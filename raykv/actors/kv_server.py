@@ -26,8 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv import metrics
 from raykv.actors.base import ACTOR_OPTIONS, TIER_REMOTE, PutAck
-from raykv.actors.disk_store import ByteBudgetIndex, resolve_batch
-from raykv.errors import InvalidInputError
+from raykv.actors.common import ByteBudgetIndex, check_put_lengths, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 
@@ -66,11 +65,7 @@ class KVServerState:
         self, keys: Sequence[CacheKey], metas: Sequence[PayloadMeta], arrays: Sequence[np.ndarray]
     ) -> PutAck:
         """Store chunks not held yet, evicting by policy to make room."""
-        if not len(keys) == len(metas) == len(arrays):
-            raise InvalidInputError(
-                f"put needs one meta and one array per key: got {len(keys)} keys, "
-                f"{len(metas)} metas, {len(arrays)} arrays"
-            )
+        check_put_lengths(keys, metas, arrays)
         ack = PutAck()
         for key, meta, array in zip(keys, metas, arrays, strict=True):
             size = meta.nbytes
@@ -127,9 +122,8 @@ class KVServerState:
         """Metas (None = miss) and arrays (empty = miss); hits are touched deepest first."""
         with self._lock:
             found = [self._values.get(key) for key in keys]
-            for key, item in zip(reversed(keys), reversed(found), strict=True):
-                if item is not None:  # deepest first, as in put
-                    self._index.touch(key)
+            # deepest first, as in put
+            self._index.touch_prefix([k for k, v in zip(keys, found, strict=True) if v is not None])
             hits = sum(item is not None for item in found)
             self._counts["hits"] += hits
             self._counts["misses"] += len(keys) - hits

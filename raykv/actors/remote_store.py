@@ -3,8 +3,13 @@
 An unreachable, slow or broken remote costs misses, never exceptions: every call is
 wrapped in a timeout (`lookup_timeout_ms`; puts get extra time per byte), a failure
 counts in `raykv_remote_errors` and opens a short back-off window (0.1 s doubling to
-2 s) during which calls answer "miss" at once instead of waiting on a dead server. The
-first call after the window tries the server again, so the tier reconnects by itself.
+2 s) during which calls answer "miss" at once instead of waiting on a dead server. After
+the window the back-off is half-open: one trial call goes to the server while every
+other call still gets a fast miss; its success closes the breaker (the tier reconnects
+by itself), its failure opens a longer window.
+
+`incarnation()` is this actor's id plus the server's identity (a KVServer's incarnation,
+a Redis server's run_id), so the manager notices a restarted remote and resyncs.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import numpy as np
 import ray
 
 from raykv import metrics
-from raykv.actors.base import ACTOR_OPTIONS, REMOTE_STORE_NAME, TIER_REMOTE, PutAck
-from raykv.actors.disk_store import node_scoped_name
+from raykv.actors.base import REMOTE_STORE_NAME, TIER_REMOTE, PutAck
+from raykv.actors.common import get_or_create_node_actor
 from raykv.config import mask_url
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey
@@ -64,6 +69,8 @@ class RemoteStore:
         self._retry_at = 0.0
         self._backoff = 0.0
         self._healthy = True
+        self._trial = False  # a half-open trial call is in flight
+        self._server_id = ""  # last identity the server reported
         self._counts = dict.fromkeys(("hits", "misses", "errors", "skipped_while_down"), 0)
         self.incarnation = uuid.uuid4().hex
 
@@ -78,10 +85,17 @@ class RemoteStore:
     async def _call(
         self, op: str, fn: Callable[[], Awaitable[T]], miss: T, timeout: float | None = None
     ) -> T:
-        """Run `fn()` within the timeout; on any failure count it and return `miss`."""
-        if time.monotonic() < self._retry_at:
-            self._counts["skipped_while_down"] += 1
-            return miss
+        """Run `fn()` within the timeout; on any failure count it and return `miss`.
+
+        While backing off, and while a half-open trial call is in flight, answers `miss`
+        at once without calling the server.
+        """
+        trial = False
+        if self._backoff:
+            if self._trial or time.monotonic() < self._retry_at:
+                self._counts["skipped_while_down"] += 1
+                return miss
+            trial = self._trial = True
         try:
             result = await asyncio.wait_for(fn(), timeout or self.timeout_s)
         except asyncio.CancelledError:
@@ -89,6 +103,9 @@ class RemoteStore:
         except Exception as exc:
             self._failed(op, exc)
             return miss
+        finally:
+            if trial:
+                self._trial = False
         if not self._healthy:
             logger.info("remote tier %s is reachable again", self.url)
             self._healthy = True
@@ -167,6 +184,17 @@ class RemoteStore:
             **self._counts,
         }
 
+    async def identity(self) -> str:
+        """`<this store's id>:<the server's id>`; the server's part changes when it restarts.
+
+        An unreachable server keeps its last known id (an outage is not a restart).
+        """
+        ask = getattr(self._backend, "server_id", None)
+        server_id = await self._call("identity", ask, None) if ask is not None else None
+        if server_id:
+            self._server_id = str(server_id)
+        return f"{self.incarnation}:{self._server_id}"
+
     async def close(self) -> None:
         try:
             await asyncio.wait_for(self._backend.close(), self.timeout_s)
@@ -206,8 +234,8 @@ class RemoteStoreActor:
     async def stats(self) -> dict[str, Any]:
         return await self._store.stats()
 
-    def incarnation(self) -> str:
-        return self._store.incarnation
+    async def incarnation(self) -> str:
+        return await self._store.identity()
 
 
 def get_or_create_remote_store(
@@ -218,16 +246,9 @@ def get_or_create_remote_store(
     Named `raykv-remote-store-<node_id[:12]>` in `config.namespace`; it lives beside the
     node's storage manager, while the data lives wherever the remote is.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = node_id or ray.get_runtime_context().get_node_id()
-    return RemoteStoreActor.options(
-        name=name or node_scoped_name(REMOTE_STORE_NAME, node_id),
-        namespace=config.namespace,
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **ACTOR_OPTIONS,
-    ).remote(config)
+    return get_or_create_node_actor(
+        RemoteStoreActor, REMOTE_STORE_NAME, config.namespace, config, node_id=node_id, name=name
+    )
 
 
 __all__ = ["RemoteStore", "RemoteStoreActor", "get_or_create_remote_store"]

@@ -27,16 +27,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv import metrics
 from raykv.actors.base import (
     ACTOR_OPTIONS,
+    CONTROLLER_NAME,
     CPU_STORE_NAME,
     DISK_STORE_NAME,
     REMOTE_STORE_NAME,
@@ -48,7 +51,14 @@ from raykv.actors.base import (
     ChunkRef,
     PutAck,
 )
+from raykv.actors.controller import (
+    FLUSH_INTERVAL_SECS,
+    RESYNC_PERIOD_SECS,
+    ControllerReporter,
+    get_or_create_controller,
+)
 from raykv.actors.cpu_store import CPUAck, CPUStoreActor
+from raykv.actors.disk_store import node_scoped_name
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan
@@ -60,6 +70,28 @@ logger = logging.getLogger(__name__)
 RESYNC_INTERVAL_SECS = 1.0
 # Bound on control calls (incarnation, keys, stats) to a tier that may be restarting.
 CONTROL_TIMEOUT_SECS = 10.0
+# The peer tier: another node's CPU tier, found through the KVController. Internally a
+# peer segment's tier is "peer:<manager name>" so the pull knows where to fetch from.
+TIER_PEER = "peer"
+# With the controller on, an empty report (heartbeat) goes out at least this often.
+HEARTBEAT_SECS = 1.0
+_EMPTY = np.empty(0, dtype=np.uint8)
+# A lookup's remote probe gets this share of `lookup_timeout_ms`: the client waits the
+# whole timeout for the answer, so on a slow remote the manager must answer first (with
+# the CPU/disk part of the prefix) or every CPU hit turns into a client-side miss.
+REMOTE_PROBE_SHARE = 0.5
+# A pull (promotion into CPU, or a direct read without a CPU tier) is a miss after this
+# many lookup timeouts (the client gives a get four).
+PULL_TIMEOUT_FACTOR = 2.0
+# Background writes in flight per lower tier (`extra_config: max_lower_writes_in_flight`);
+# a put finding its tier at the cap skips that tier and counts `raykv_skipped_stores`.
+MAX_LOWER_WRITES_IN_FLIGHT = 32
+# Keys of the shared remote the manager remembers (`extra_config: remote_index_max_keys`);
+# the oldest are forgotten first (the remote may evict them silently anyway).
+REMOTE_INDEX_MAX_KEYS = 1 << 20
+# `wait` on a lookup id it does not know waits this long for its prefetch (the client
+# sends prefetch without waiting, so a wait may overtake it).
+WAIT_FOR_PREFETCH_SECS = 1.0
 
 
 @dataclass(slots=True)
@@ -146,6 +178,53 @@ class PackedSpans:
         return (PackedSpans, (self.identity, self.hashes, self.ends))
 
 
+class BoundedKeySet:
+    """A set of keys holding at most `max_keys`: adding past the cap forgets the keys
+    added (or re-confirmed by `update`) longest ago. Has the set operations the manager's
+    index uses."""
+
+    __slots__ = ("_keys", "max_keys")
+
+    def __init__(self, max_keys: int, keys: Iterable[CacheKey] = ()) -> None:
+        if max_keys < 1:
+            raise InvalidInputError(f"max_keys must be >= 1, got {max_keys}")
+        self.max_keys = max_keys
+        self._keys: OrderedDict[CacheKey, None] = OrderedDict()
+        self.update(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[CacheKey]:
+        return iter(self._keys)
+
+    def update(self, keys: Iterable[CacheKey]) -> None:
+        d = self._keys
+        for key in keys:
+            d[key] = None
+            d.move_to_end(key)
+        while len(d) > self.max_keys:
+            d.popitem(last=False)
+
+    def difference_update(self, keys: Iterable[CacheKey]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def intersection(self, keys: Iterable[CacheKey]) -> set[CacheKey]:
+        return {k for k in keys if k in self._keys}
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+
+def _kind(tier: str) -> str:
+    """The tier name of a plan segment ("peer:<manager>" -> "peer")."""
+    return TIER_PEER if tier.startswith(TIER_PEER + ":") else tier
+
+
 def _tokens(ends: Sequence[int], n: int) -> int:
     return ends[n - 1] if n else 0
 
@@ -190,13 +269,28 @@ def _actor_options(name: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def get_or_create_tiers(config: RayKVConfig) -> dict[str, Any]:
-    """Create or attach the enabled tier actors of `config`, by name; tier -> handle."""
+def _pinned(node_id: str | None) -> dict[str, Any]:
+    """Hard affinity to `node_id` (a node-scoped actor), else soft affinity to the caller."""
+    if node_id is None:
+        return _here()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def _scoped(base: str, node_id: str | None) -> str:
+    return node_scoped_name(base, node_id) if node_id else base
+
+
+def get_or_create_tiers(config: RayKVConfig, node_id: str | None = None) -> dict[str, Any]:
+    """Create or attach the enabled tier actors of `config`, by name; tier -> handle.
+
+    With `node_id`, the CPU store is node-scoped too (`raykv-cpu-store-<node>`, pinned
+    to that node); without, it is the cluster-wide `raykv-cpu-store`.
+    """
     ns = config.namespace
     tiers: dict[str, Any] = {}
     if config.local_cpu:
         tiers[TIER_CPU] = CPUStoreActor.options(
-            **_actor_options(CPU_STORE_NAME, ns), **_here()
+            **_actor_options(_scoped(CPU_STORE_NAME, node_id), ns), **_pinned(node_id)
         ).remote(
             config.max_local_cpu_bytes,
             config.policy_for(TIER_CPU),
@@ -207,24 +301,33 @@ def get_or_create_tiers(config: RayKVConfig) -> dict[str, Any]:
         from raykv.actors.disk_store import get_or_create_disk_store
 
         # Node-scoped, pinned to this node: its directory is local.
-        tiers[TIER_DISK] = get_or_create_disk_store(config)
+        tiers[TIER_DISK] = get_or_create_disk_store(config, node_id)
     if config.remote_url:
         from raykv.actors.remote_store import get_or_create_remote_store
 
         # This node's connection to the shared remote (the data lives on the remote).
-        tiers[TIER_REMOTE] = get_or_create_remote_store(config)
+        tiers[TIER_REMOTE] = get_or_create_remote_store(config, node_id)
     return tiers
 
 
-def get_or_create_manager(config: RayKVConfig) -> Any:
+def get_or_create_manager(config: RayKVConfig, node_id: str | None = None) -> Any:
     """The `StorageManager` of `config.namespace`; it creates or attaches its tiers.
 
     The manager is detached, so the cache outlives the driver that created it; it
     creates the tier actors itself (on its node), so they do not die with the caller.
+    Without `node_id` it is the cluster-wide `raykv-storage-manager`; with one, it is
+    that node's manager (`raykv-storage-manager-<node>`, with its own CPU store, both
+    pinned to the node): one cache instance per node, peers of each other.
     """
+    name = _scoped(STORAGE_MANAGER_NAME, node_id)
     return StorageManager.options(
-        **_actor_options(STORAGE_MANAGER_NAME, config.namespace), **_here()
-    ).remote(config)
+        **_actor_options(name, config.namespace), **_pinned(node_id)
+    ).remote(config, node_id)
+
+
+def manager_name(node_id: str) -> str:
+    """The name of `node_id`'s node-scoped storage manager."""
+    return node_scoped_name(STORAGE_MANAGER_NAME, node_id)
 
 
 def shutdown_manager(namespace: str) -> None:
@@ -232,11 +335,12 @@ def shutdown_manager(namespace: str) -> None:
 
     The remote's data (a `ray://` KVServer, a Redis server) is shared and left alone.
     """
-    names = [STORAGE_MANAGER_NAME, CPU_STORE_NAME]
+    names = [STORAGE_MANAGER_NAME, CPU_STORE_NAME, CONTROLLER_NAME]
+    prefixes = (STORAGE_MANAGER_NAME, CPU_STORE_NAME, DISK_STORE_NAME, REMOTE_STORE_NAME)
     names += [
         a["name"]
         for a in _named_actors(namespace)
-        if a["name"].startswith((DISK_STORE_NAME, REMOTE_STORE_NAME))
+        if a["name"].startswith(prefixes) and a["name"] not in names
     ]
     for name in names:
         try:
@@ -265,20 +369,30 @@ class StorageManager:
     can be awaited by `wait` and `get`.
     """
 
-    def __init__(self, config: RayKVConfig) -> None:
+    def __init__(self, config: RayKVConfig, node_id: str | None = None) -> None:
         self._config = config
-        self._tiers = get_or_create_tiers(config)
+        self._node_id = node_id
+        self._tiers = get_or_create_tiers(config, node_id)
         self._order = [t for t in TIER_ORDER if t in self._tiers]
         self._lower_tiers = [t for t in self._order if t != TIER_CPU]
         self._cpu_handle = self._tiers.get(TIER_CPU)
         self._cpu: dict[CacheKey, ChunkRef] = {}
-        self._lower: dict[str, set[CacheKey]] = {t: set() for t in self._lower_tiers}
+        extra = config.extra_config
+        self._remote_index_max = int(extra.get("remote_index_max_keys", REMOTE_INDEX_MAX_KEYS))
+        self._max_writes = int(extra.get("max_lower_writes_in_flight", MAX_LOWER_WRITES_IN_FLIGHT))
+        self._lower: dict[str, set[CacheKey] | BoundedKeySet] = {
+            t: self._new_lower_index(t) for t in self._lower_tiers
+        }
+        self._writes_in_flight = {t: 0 for t in self._lower_tiers}
+        self._skip_warned_at = 0.0
+        self._arrivals: dict[str, asyncio.Event] = {}  # waits that overtook their prefetch
         self._incarnations: dict[str, str | None] = {t: None for t in self._order}
         self._lookups: dict[str, _Lookup] = {}
         self._background: set[asyncio.Task] = set()
         self._started: asyncio.Task | None = None
         self._resyncing: dict[str, asyncio.Task] = {}
         self._lookup_timeout = config.lookup_timeout_ms / 1000
+        self._pull_timeout = self._lookup_timeout * PULL_TIMEOUT_FACTOR
         self._lease = config.pin_lease_secs
         self._backend = _remote_backend(config.remote_url)
         self._counts = {
@@ -290,9 +404,29 @@ class StorageManager:
             "remote_errors": 0,
             "stale_positives": 0,
             "resyncs": 0,
+            "skipped_lower_writes": 0,
+            "pull_timeouts": 0,
         }
         self._tier_hits = {t: 0 for t in self._order}
         self._tier_misses = {t: 0 for t in self._order}
+        # The controller and the peer tier (config.enable_controller); instance = node id.
+        self._reporter: ControllerReporter | None = None
+        self._controller: Any = None
+        self._peers: dict[str, Any] = {}  # manager name -> handle
+        self._peer_instances: dict[str, str] = {}  # manager name -> instance
+        self._name = _scoped(STORAGE_MANAGER_NAME, node_id)
+        if config.enable_controller:
+            self._instance = node_id or ray.get_runtime_context().get_node_id()
+            self._reporter = ControllerReporter(self._instance)
+            self._controller = get_or_create_controller(config.namespace)
+            self._tier_hits[TIER_PEER] = self._tier_misses[TIER_PEER] = 0
+
+    def _new_lower_index(
+        self, tier: str, keys: Iterable[CacheKey] = ()
+    ) -> set[CacheKey] | BoundedKeySet:
+        if tier == TIER_REMOTE:
+            return BoundedKeySet(self._remote_index_max, keys)
+        return set(keys)
 
     # ----- start-up, restarts, background tasks -----
 
@@ -308,6 +442,8 @@ class StorageManager:
         await asyncio.gather(*(self._resync(t) for t in self._order))
         self._spawn(self._watch_incarnations())
         self._spawn(self._sweep_leases())
+        if self._reporter is not None:
+            self._spawn(self._report_loop())
 
     def _spawn(self, coro: Any, name: str | None = None) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -329,12 +465,15 @@ class StorageManager:
             else:
                 inc_ref, keys_ref = handle.incarnation.remote(), handle.keys.remote()
                 inc = await asyncio.wait_for(inc_ref, CONTROL_TIMEOUT_SECS)
-                self._lower[tier] = set(await asyncio.wait_for(keys_ref, CONTROL_TIMEOUT_SECS))
+                keys = await asyncio.wait_for(keys_ref, CONTROL_TIMEOUT_SECS)
+                self._lower[tier] = self._new_lower_index(tier, keys)
         except Exception as exc:
             logger.warning("cannot resync the %s tier index (%s); will retry", tier, exc)
             if tier == TIER_CPU:
                 self._cpu.clear()
             return
+        if self._reporter is not None:
+            self._reporter.lost()  # the controller gets the rebuilt index as a snapshot
         if self._incarnations[tier] is not None:
             logger.info("the %s tier restarted (incarnation %s); index rebuilt", tier, inc[:8])
         self._incarnations[tier] = inc
@@ -414,7 +553,8 @@ class StorageManager:
         """How many of `keys` (unknown to every index) the remote tier holds as a prefix."""
         try:
             found = await asyncio.wait_for(
-                self._tiers[TIER_REMOTE].contains.remote(keys), self._lookup_timeout
+                self._tiers[TIER_REMOTE].contains.remote(keys),
+                self._lookup_timeout * REMOTE_PROBE_SHARE,
             )
         except Exception as exc:
             self._remote_error("contains", exc)
@@ -434,6 +574,11 @@ class StorageManager:
         self, keys: list[CacheKey], tiers: Sequence[str]
     ) -> tuple[list[tuple[str, int, int]], int]:
         segs, n = self._plan(keys, tiers)
+        if n < len(keys) and self._peer_tier_on() and tiers is self._order:
+            peer = await self._locate_peer(keys[n:])
+            if peer is not None:
+                segs.append((peer[0], n, n + peer[1]))
+                n += peer[1]
         if n < len(keys) and TIER_REMOTE in tiers:
             found = await self._probe_remote(keys[n:])
             if found:
@@ -466,10 +611,11 @@ class StorageManager:
         remaining = len(ends)
         for tier, a, b in segs:
             tokens = ends[b - 1] - (ends[a - 1] if a else 0)
-            self._tier_hits[tier] += b - a
-            self._tier_misses[tier] += remaining - (b - a)
+            kind = _kind(tier)
+            self._tier_hits[kind] += b - a
+            self._tier_misses[kind] += remaining - (b - a)
             remaining -= b - a
-            metrics.inc("raykv_tier_hit_tokens", tokens, tier=tier)
+            metrics.inc("raykv_tier_hit_tokens", tokens, tier=kind)
 
     # ----- CPU index upkeep -----
 
@@ -482,22 +628,65 @@ class StorageManager:
             chunk = ack.refs.get(key)
             if chunk is not None:
                 self._cpu[key] = chunk
+        if self._reporter is not None:
+            self._reporter.evicted(TIER_CPU, ack.evicted)
+            self._reporter.admitted(TIER_CPU, ack.accepted)
 
     async def _pull(self, tier: str, keys: list[CacheKey], lookup_id: str | None) -> CPUAck | None:
-        """Promote `keys` from a lower tier into CPU; None if the CPU tier failed."""
-        try:
-            ack = await self._cpu_handle.pull.remote(self._tiers[tier], keys, lookup_id)
-        except Exception as exc:
-            logger.warning("promotion of %d chunks from %s failed: %s", len(keys), tier, exc)
+        """Promote `keys` from a lower tier into CPU (without a CPU tier: serve the tier's
+        own reply object); None if that failed or timed out (then they are misses)."""
+        peer = tier.partition(":")[2] if _kind(tier) == TIER_PEER else None
+        source = self._peers.get(peer) if peer else self._tiers[tier]
+        if source is None:
             return None
-        self._apply_cpu(ack)
-        if ack.missing:
+        try:
+            if self._cpu_handle is None:
+                ack = await self._read_lower(source, keys)
+            else:
+                ack = await asyncio.wait_for(
+                    self._cpu_handle.pull.remote(source, keys, lookup_id),
+                    self._pull_timeout,
+                )
+        except (asyncio.TimeoutError, TimeoutError):
+            self._counts["pull_timeouts"] += 1
+            logger.warning(
+                "read of %d chunks from %s took over %.1f s; counted as misses",
+                len(keys),
+                tier,
+                self._pull_timeout,
+            )
+            return None
+        except Exception as exc:
+            logger.warning("read of %d chunks from %s failed: %s", len(keys), tier, exc)
+            return None
+        if self._cpu_handle is not None:
+            self._apply_cpu(ack)
+        if peer and len(ack.missing) == len(keys):
+            self._lost_peer(peer)
+        if ack.missing and tier in self._lower:
             stale = self._lower[tier].intersection(ack.missing)
             if stale:  # the index believed them present: correct it
                 self._lower[tier].difference_update(stale)
                 self._counts["stale_positives"] += len(stale)
         if ack.refs and tier in self._lower:
             self._lower[tier].update(ack.refs)
+        return ack
+
+    async def _read_lower(self, source: Any, keys: list[CacheKey]) -> CPUAck:
+        """Without a CPU tier: read `keys` from `source` (a tier actor's handle) and serve
+        its reply object as is.
+
+        The manager calls `get_batch` itself, so it owns the arrays object and hands out
+        `ChunkRef`s into it (clients borrow them); nothing is cached.
+        """
+        metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
+        metas = await asyncio.wait_for(metas_ref, self._pull_timeout)
+        ack = CPUAck("")
+        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+            if meta is None:
+                ack.missing.append(key)
+            else:
+                ack.refs[key] = ChunkRef(arrays_ref, i, meta)
         return ack
 
     # ----- public API -----
@@ -556,10 +745,31 @@ class StorageManager:
         for tier in self._lower_tiers:
             if all(k in self._lower[tier] for k in keys):
                 continue
+            if self._writes_in_flight[tier] >= self._max_writes:
+                self._skip_lower(tier, len(keys))
+                continue
+            self._writes_in_flight[tier] += 1
             ref = self._tiers[tier].put.remote(keys, metas, batch)
-            self._spawn(self._finish_lower_put(tier, ref, metas), name=f"raykv-put-{tier}")
+            self._spawn(self._finish_lower_put(tier, ref, keys, metas), name=f"raykv-put-{tier}")
 
-    async def _finish_lower_put(self, tier: str, ref: Any, metas: list[PayloadMeta]) -> None:
+    def _skip_lower(self, tier: str, n: int) -> None:
+        """A put finds `tier` with `_max_writes` writes in flight: skip it there."""
+        self._counts["skipped_lower_writes"] += n
+        metrics.inc("raykv_skipped_stores", n, tier=tier)
+        now = time.monotonic()
+        if now - self._skip_warned_at > 10.0:
+            self._skip_warned_at = now
+            logger.warning(
+                "%s tier has %d writes in flight: skipping %d chunk(s) there (the tier is slower "
+                "than the put rate)",
+                tier,
+                self._writes_in_flight[tier],
+                n,
+            )
+
+    async def _finish_lower_put(
+        self, tier: str, ref: Any, keys: list[CacheKey], metas: list[PayloadMeta]
+    ) -> None:
         try:
             ack: PutAck = await ref
         except Exception as exc:
@@ -568,11 +778,19 @@ class StorageManager:
             else:
                 logger.warning("%s put failed: %s", tier, exc)
             return
+        finally:
+            self._writes_in_flight[tier] -= 1
         index = self._lower[tier]
         index.difference_update(ack.evicted)
         index.update(ack.accepted)
-        if ack.accepted:
-            metrics.inc("raykv_stored_bytes", sum(m.nbytes for m in metas), tier=tier)
+        if self._reporter is not None and tier == TIER_DISK:
+            self._reporter.evicted(tier, ack.evicted)
+            self._reporter.admitted(tier, ack.accepted)
+        # The disk tier counts the bytes it writes itself; the remote tiers do not.
+        if ack.accepted and tier != TIER_DISK:
+            accepted = set(ack.accepted)
+            nbytes = sum(m.nbytes for k, m in zip(keys, metas, strict=True) if k in accepted)
+            metrics.inc("raykv_stored_bytes", nbytes, tier=tier)
 
     async def lookup(
         self,
@@ -596,7 +814,7 @@ class StorageManager:
             if lookup_id is None:
                 raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
             if segs and segs[0][0] == TIER_CPU:
-                self._pin(lookup_id, keys[: segs[0][2]], ends)
+                self._pin(self._record(lookup_id, ends), keys[: segs[0][2]])
         return _tokens(ends, n)
 
     def _record(self, lookup_id: str, ends: list[int]) -> _Lookup:
@@ -611,14 +829,25 @@ class StorageManager:
             self._lookups[lookup_id] = rec
         return rec
 
-    def _pin(self, lookup_id: str, keys: list[CacheKey], ends: list[int]) -> None:
+    def _pin(self, rec: _Lookup, keys: list[CacheKey]) -> None:
         """Pin CPU hits: the manager holds their refs, the CPUStore is told without waiting
-        (the refs keep the data readable even if the message loses a race with an evict)."""
-        rec = self._record(lookup_id, ends)
+        (the refs keep the data readable even if the message loses a race with an evict;
+        a pin that arrives after its unpin is ignored by the CPUStore).
+
+        Nothing to do for a lookup already closed (a get or unpin came while it probed).
+        """
+        if rec.closed:
+            return
+        got = 0
         for key in keys:
-            rec.refs[key] = self._cpu[key]
-        rec.ready = max(rec.ready, len(keys))
-        self._cpu_handle.pin.remote(lookup_id, keys, self._lease)
+            chunk = self._cpu.get(key)  # the index may have changed during a probe
+            if chunk is None:
+                break
+            rec.refs[key] = chunk
+            got += 1
+        rec.ready = max(rec.ready, got)
+        if got:
+            self._cpu_handle.pin.remote(rec.lookup_id, keys[:got], self._lease)
 
     async def prefetch(
         self,
@@ -637,13 +866,16 @@ class StorageManager:
         self._close(lookup_id)
         rec = self._record(lookup_id, ends)
         rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, tiers))
+        arrived = self._arrivals.pop(lookup_id, None)
+        if arrived is not None:
+            arrived.set()
 
     async def _load(self, rec: _Lookup, keys: list[CacheKey], tiers: list[str]) -> int:
         t0 = time.perf_counter()
         segs, n = await self._full_plan(keys, tiers)
         self._count_lookup(segs, rec.ends, n)
         if segs and segs[0][0] == TIER_CPU:
-            self._pin(rec.lookup_id, keys[: segs[0][2]], rec.ends)
+            self._pin(rec, keys[: segs[0][2]])
             segs = segs[1:]
         pulls = await asyncio.gather(
             *(self._pull(tier, keys[a:b], rec.lookup_id) for tier, a, b in segs)
@@ -670,11 +902,14 @@ class StorageManager:
         """Prefix tokens of `lookup_id`'s prefetch ready in CPU (0 if unknown).
 
         Waits for the prefetch to finish, or at most `timeout` seconds and then
-        reports what is ready so far.
+        reports what is ready so far. An id not known yet gets up to
+        `WAIT_FOR_PREFETCH_SECS` (at most `timeout`) for its prefetch to arrive.
         """
         rec = self._lookups.get(lookup_id)
         if rec is None:
-            return 0
+            rec, timeout = await self._await_prefetch(lookup_id, timeout)
+            if rec is None:
+                return 0
         if rec.task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(rec.task), timeout)
@@ -683,6 +918,24 @@ class StorageManager:
             except Exception as exc:  # a failed load shortens the prefix, never the request
                 logger.warning("prefetch %s failed: %s", lookup_id, exc)
         return _tokens(rec.ends, rec.ready)
+
+    async def _await_prefetch(
+        self, lookup_id: str, timeout: float | None
+    ) -> tuple[_Lookup | None, float | None]:
+        """Wait (bounded) for `lookup_id`'s prefetch to arrive; (its record, time left)."""
+        budget = WAIT_FOR_PREFETCH_SECS if timeout is None else min(timeout, WAIT_FOR_PREFETCH_SECS)
+        if budget <= 0:
+            return None, timeout
+        arrived = self._arrivals.setdefault(lookup_id, asyncio.Event())
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(arrived.wait(), budget)
+        except (asyncio.TimeoutError, TimeoutError):
+            if self._arrivals.get(lookup_id) is arrived:
+                del self._arrivals[lookup_id]
+            return None, timeout
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        return self._lookups.get(lookup_id), left
 
     async def get(
         self,
@@ -722,7 +975,7 @@ class StorageManager:
             result.chunks.append(chunk)
             result.tiers.append(TIER_CPU)
             i += 1
-        if i < n and self._cpu_handle is not None:
+        if i < n:  # without a CPU tier, lower-tier hits are served without promotion
             await self._get_lower(keys, i, result)
         if self._cpu_handle is not None and (result.chunks or lookup_id is not None):
             touched = [k for k in keys[: len(result.chunks)] if k in self._cpu]
@@ -737,31 +990,146 @@ class StorageManager:
         self._cpu_handle.release.remote(lookup_id, touched)
 
     async def _get_lower(self, keys: list[CacheKey], start: int, result: RetrieveResult) -> None:
-        """Extend `result` from `keys[start:]` with lower-tier hits, promoted into CPU."""
+        """Extend `result` from `keys[start:]` with lower-tier hits, promoted into CPU.
+
+        Local lower tiers first (by index), then a peer's CPU tier (if the controller
+        knows one), then the shared remote tier for the rest. A peer that comes back
+        short leaves the rest to the remote tier.
+        """
         segs: list[tuple[str, int, int]] = []
         pos, n = start, len(keys)
         for tier in self._lower_tiers:
-            end = pos
             if tier == TIER_REMOTE:
-                end = n  # keys no index knows may still be on the shared remote tier
-            else:
-                while end < n and keys[end] in self._lower[tier]:
-                    end += 1
+                continue
+            end = pos
+            while end < n and keys[end] in self._lower[tier]:
+                end += 1
             if end > pos:
                 segs.append((tier, pos, end))
                 pos = end
+        if pos < n and self._peer_tier_on():
+            peer = await self._locate_peer(keys[pos:])
+            if peer is not None:
+                segs.append((peer[0], pos, pos + peer[1]))
+                pos += peer[1]
+        if pos < n and TIER_REMOTE in self._tiers:
+            segs.append((TIER_REMOTE, pos, n))  # keys no index knows may be on the remote
         if not segs:
             return
         pulls = await asyncio.gather(*(self._pull(t, keys[a:b], None) for t, a, b in segs))
         for (tier, a, b), ack in zip(segs, pulls, strict=True):
-            if ack is None:
+            got = self._extend(result, keys[a:b], ack, _kind(tier))
+            if got < b - a:
+                if _kind(tier) == TIER_PEER and TIER_REMOTE in self._tiers:
+                    ack = await self._pull(TIER_REMOTE, keys[a + got :], None)
+                    self._extend(result, keys[a + got :], ack, TIER_REMOTE)
                 return
-            for key in keys[a:b]:
-                chunk = ack.refs.get(key)
-                if chunk is None:
-                    return
-                result.chunks.append(chunk)
-                result.tiers.append(tier)
+
+    @staticmethod
+    def _extend(result: RetrieveResult, keys: list[CacheKey], ack: CPUAck | None, tier: str) -> int:
+        """Append the prefix of `keys` that `ack` served; how many that was."""
+        got = 0
+        for key in keys if ack is not None else ():
+            chunk = ack.refs.get(key)
+            if chunk is None:
+                break
+            result.chunks.append(chunk)
+            result.tiers.append(tier)
+            got += 1
+        return got
+
+    # ----- the controller and the peer tier -----
+
+    def _peer_tier_on(self) -> bool:
+        return self._reporter is not None and self._cpu_handle is not None
+
+    async def _locate_peer(self, keys: list[CacheKey]) -> tuple[str, int] | None:
+        """("peer:<manager>", chunks) of the peer holding the longest prefix of `keys` in
+        its CPU tier, per the controller; None if none (or the controller is away)."""
+        try:
+            found = await asyncio.wait_for(
+                self._controller.locate.remote(keys, [self._instance]), self._lookup_timeout / 2
+            )
+        except Exception as exc:
+            logger.debug("controller locate failed: %s", exc)
+            return None
+        if not found:
+            return None
+        instance, name, n = found
+        if name not in self._peers:
+            try:
+                self._peers[name] = ray.get_actor(name, namespace=self._config.namespace)
+            except ValueError:
+                self._controller.forget.remote(instance)  # that manager is gone
+                return None
+        self._peer_instances[name] = instance
+        return f"{TIER_PEER}:{name}", n
+
+    def _lost_peer(self, name: str) -> None:
+        """A peer served none of what the controller listed (dead, or the listing was
+        stale): drop our handle and let the controller forget it; a live peer is rebuilt
+        from its next heartbeat, which then asks for a resync."""
+        self._peers.pop(name, None)
+        instance = self._peer_instances.pop(name, None)
+        if instance is not None:
+            self._controller.forget.remote(instance)
+
+    def _snapshot(self) -> dict[str, list[CacheKey]]:
+        snap = {TIER_CPU: list(self._cpu)}
+        if TIER_DISK in self._lower:
+            snap[TIER_DISK] = list(self._lower[TIER_DISK])
+        return snap
+
+    async def _report_loop(self) -> None:
+        """Flush admit/evict batches to the controller; resync when it asks (lost batch,
+        controller restart), periodically, or when our own index was rebuilt."""
+        rep = self._reporter
+        info = {"manager": self._name, "node_id": self._node_id}
+        last_full = last_sent = time.monotonic()
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_SECS)
+            now = time.monotonic()
+            try:
+                if rep.needs_resync or now - last_full >= RESYNC_PERIOD_SECS:
+                    seq = rep.start_resync()
+                    ref = self._controller.resync.remote(
+                        self._instance, seq, self._snapshot(), info
+                    )
+                    await asyncio.wait_for(ref, CONTROL_TIMEOUT_SECS)
+                    last_full = last_sent = now
+                    continue
+                if not rep.pending and now - last_sent < HEARTBEAT_SECS:
+                    continue
+                while True:
+                    batch = rep.take()
+                    ref = self._controller.report.remote(
+                        self._instance, batch.seq, batch.admitted, batch.evicted
+                    )
+                    if await asyncio.wait_for(ref, CONTROL_TIMEOUT_SECS):
+                        rep.lost()
+                        break
+                    if not rep.full():
+                        break
+                last_sent = now
+            except Exception as exc:
+                logger.debug("controller report failed (%s); will resync", exc)
+                rep.lost()
+
+    @ray.method(num_returns=2)
+    async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
+        """The peer tier's read (`LowerTier.get_batch`): this node's CPU chunks of `keys`,
+        copied into one new object that the caller (another node's CPUStore) owns."""
+        await self._ready()
+        chunks = [self._cpu.get(k) for k in keys]
+        refs = list({c.ref: None for c in chunks if c is not None})
+        try:
+            values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
+        except Exception as exc:  # our CPUStore restarted: misses
+            logger.warning("peer read of %d chunks failed: %s", len(refs), exc)
+            return [None] * len(keys), [_EMPTY] * len(keys)
+        metas = [c.meta if c is not None else None for c in chunks]
+        arrays = [values[c.ref][c.index] if c is not None else _EMPTY for c in chunks]
+        return metas, arrays
 
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""
@@ -782,6 +1150,8 @@ class StorageManager:
                     self._cpu.pop(key, None)
             else:
                 self._lower[tier].difference_update(keys)
+            if self._reporter is not None:
+                self._reporter.evicted(tier, keys)
         counts = await asyncio.gather(
             *(self._tiers[t].remove.remote(keys) for t in tiers), return_exceptions=True
         )
@@ -819,6 +1189,13 @@ class StorageManager:
             info["lookup_miss_chunks"] = self._tier_misses[tier]
             info["incarnation"] = self._incarnations[tier]
             tiers[tier] = info
+        if TIER_PEER in self._tier_hits:
+            tiers[TIER_PEER] = {
+                "tier": TIER_PEER,
+                "lookup_hit_chunks": self._tier_hits[TIER_PEER],
+                "lookup_miss_chunks": self._tier_misses[TIER_PEER],
+                "peers": sorted(self._peers),
+            }
         looked = self._counts["hit_tokens"] + self._counts["miss_tokens"]
         return {
             **self._counts,
@@ -838,6 +1215,8 @@ class StorageManager:
         self._cpu.clear()
         for index in self._lower.values():
             index.clear()
+        if self._reporter is not None:
+            self._reporter.lost()
 
     async def incarnations(self) -> dict[str, str | None]:
         """The incarnation of each tier the index was built from."""

@@ -165,3 +165,153 @@ def test_budget_holds_under_churn_with_any_policy(policy):
         store.commit(FakeRef(str(r)), [key(i) for i in ids], [meta()] * 3, reserved=3 * CHUNK)
         assert store.used_bytes <= store.capacity
         assert store.live_bytes <= store.used_bytes
+
+
+# ----- pins that race their unpin (the manager sends both without waiting) -----
+
+
+def test_a_pin_arriving_after_its_unpin_leaves_no_lease():
+    store = CPUStore(4 * CHUNK)
+    put(store, [0, 1])
+    assert store.unpin("late") == 0  # the release overtook the pin
+    assert store.pin("late", [key(0), key(1)]) == 0
+    assert store.pins(key(0)) == 0 and store.stats()["leases"] == 0
+    # a prefetch's pinning commit that lands after its release pins nothing either
+    put(store, [2], lookup_id="late")
+    assert store.pins(key(2)) == 0 and store.stats()["leases"] == 0
+
+
+def test_closed_lookup_ids_are_forgotten_after_their_retention():
+    now = [0.0]
+    store = CPUStore(4 * CHUNK, lease_secs=10, clock=lambda: now[0])
+    put(store, [0])
+    store.unpin("a")
+    now[0] = 5.0
+    store.unpin("b")
+    now[0] = 10.0
+    store.expire_leases()
+    assert not store.is_closed("a") and store.is_closed("b")
+    assert store.pin("a", [key(0)]) == 1  # long forgotten: an ordinary pin again
+    now[0] = 15.0
+    store.expire_leases()  # "b" forgotten; "a" pinned until 20
+    assert store.stats()["closed_lookups"] == 0 and store.pins(key(0)) == 1
+    now[0] = 20.0
+    assert store.expire_leases() == ["a"]  # expired, and closed again
+    assert store.is_closed("a") and store.pins(key(0)) == 0
+
+
+# ----- pressure with partly pinned batches: memory is charged per batch -----
+
+
+def test_siblings_of_a_pinned_chunk_are_not_evicted_for_nothing():
+    store = CPUStore(4 * CHUNK)
+    put(store, [0, 1], "a")
+    put(store, [2, 3], "b")
+    store.pin("L", [key(0)])
+    store.pin("M", [key(2)])
+    # Evicting 1 and 3 would free no byte (their batches stay alive): evict nothing.
+    n, evicted = store.allocate([CHUNK], partial=False)
+    assert (n, evicted) == (0, [])
+    n, evicted = store.allocate([CHUNK], partial=True)
+    assert (n, evicted) == (0, [])
+    assert all(k in store for k in map(key, range(4)))
+    assert store.stats()["pinned_bytes"] == 4 * CHUNK
+
+
+def test_pressure_evicts_only_unpinned_batches():
+    store = CPUStore(4 * CHUNK)
+    put(store, [0, 1], "a")  # oldest
+    put(store, [2, 3], "b")
+    store.pin("L", [key(0)])
+    n, evicted = store.allocate([2 * CHUNK], partial=False)
+    # LRU would pick 1 first, but its batch is pinned through 0: batch b goes.
+    assert n == 1 and evicted == [key(3), key(2)]
+    assert key(1) in store and store.used_bytes + store.reserved_bytes == 4 * CHUNK
+    store.unpin("L")
+    assert store.pinned_bytes == 0
+
+
+def test_partial_allocation_evicts_only_for_what_it_takes():
+    store = CPUStore(4 * CHUNK)
+    put(store, [0, 1], "a")
+    put(store, [2], "b")
+    put(store, [3], "c")
+    store.pin("L", [key(1)])
+    n, evicted = store.allocate([CHUNK, CHUNK, CHUNK], partial=True)
+    assert n == 2 and sorted(evicted) == [key(2), key(3)] and key(0) in store
+
+
+def test_removing_a_pinned_chunk_releases_its_batch_bytes():
+    store = CPUStore(4 * CHUNK)
+    put(store, [0, 1])
+    store.pin("L", [key(0)])
+    store.remove([key(0), key(1)])
+    assert store.used_bytes == 0 and store.pinned_bytes == 0
+    store.unpin("L")
+    assert store.pinned_bytes == 0 and store.allocate([4 * CHUNK], partial=False)[0] == 1
+
+
+# ----- accounting -----
+
+
+def test_a_key_repeated_in_one_commit_is_indexed_once_and_its_batch_can_go():
+    store = CPUStore(4 * CHUNK)
+    n, _ = store.allocate([CHUNK, CHUNK], partial=False)
+    added = store.commit(
+        FakeRef("dup"),
+        [key(0), key(0)],
+        [meta(), meta()],
+        batch_bytes=2 * CHUNK,
+        reserved=2 * CHUNK,
+    )
+    assert list(added) == [key(0)] and added[key(0)].index == 0
+    assert store.used_bytes == 2 * CHUNK  # the physical size given
+    store.remove([key(0)])
+    assert store.used_bytes == 0 and store.stats()["batches"] == 0
+
+
+# ----- the actor's put logic, run without Ray (its class unwrapped, ray.put stubbed) -----
+
+
+def _bare_actor(monkeypatch, capacity: int):
+    from raykv.actors import cpu_store as cs
+
+    monkeypatch.setattr(cs, "object_store_bytes", lambda: None)  # no ray.nodes()
+    cls = cs.CPUStoreActor.__ray_metadata__.modified_class
+    return cs, cls(capacity, "lru", blocking_timeout_secs=0.05, pin_lease_secs=60)
+
+
+def _put_by_value(actor, ids: list[int]):
+    import asyncio
+
+    import numpy as np
+
+    async def run():
+        batch = asyncio.get_running_loop().create_future()
+        batch.set_result([np.zeros(CHUNK, dtype=np.uint8) for _ in ids])
+        return await actor.put([key(i) for i in ids], [meta()] * len(ids), [batch])
+
+    return asyncio.run(run())
+
+
+def test_a_failed_reput_still_reports_its_evictions_and_releases_its_room(monkeypatch):
+    cs, actor = _bare_actor(monkeypatch, 2 * CHUNK)
+    store = actor._store
+    put(store, [0, 1])  # an unpinned batch that must go to make room
+
+    def refuse(value):
+        raise MemoryError("object store full")
+
+    monkeypatch.setattr(cs.ray, "put", refuse)
+    ack = _put_by_value(actor, [5, 6])
+    assert sorted(ack.evicted) == [key(0), key(1)]  # the manager must drop these
+    assert ack.skipped == [key(5), key(6)] and ack.accepted == []
+    assert store.reserved_bytes == 0 and store.used_bytes == 0 and len(store) == 0
+
+
+def test_put_accepts_what_it_committed_and_charges_the_object_size(monkeypatch):
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+    ack = _put_by_value(actor, [0, 1, 0])  # a repeated key is cached once
+    assert ack.accepted == [key(0), key(1)] and ack.refs[key(0)].index == 0
+    assert actor._store.used_bytes == 2 * CHUNK and actor._store.reserved_bytes == 0

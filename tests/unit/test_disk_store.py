@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,10 @@ def test_restart_on_the_same_directory_serves_the_same_bytes(tmp_path: Path) -> 
     put(first, range(6))
     first.get([key(0)])
     first.close()
-    os.utime(first.path_of(key(0)))  # mtime order stands in for recency after a restart
+    # mtime order stands in for recency after a restart; explicit times, so that no two
+    # files tie (writes within one clock tick would)
+    for age, i in enumerate([1, 2, 3, 4, 5, 0]):
+        os.utime(first.path_of(key(i)), (1_000_000 + age, 1_000_000 + age))
     second = DiskStore(tmp_path, 1 << 20)
     assert second.incarnation != first.incarnation
     assert sorted(second.keys()) == [key(i) for i in range(6)]
@@ -256,6 +260,26 @@ def test_full_write_queue_applies_back_pressure_then_skips(tmp_path: Path, monke
     assert ack.skipped == [key(2)] and store.stats()["skipped"] == 1
     release.set()
     assert store.flush(5) and store.keys() == [key(1)]
+
+
+def test_a_full_write_queue_costs_one_wait_per_put_not_one_per_chunk(
+    tmp_path: Path, monkeypatch
+) -> None:
+    store = DiskStore(tmp_path, 1 << 20, max_pending_writes=1, write_workers=1, queue_wait_s=0.2)
+    release = threading.Event()
+    real = ds._write_file
+    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(10), real(*a)))
+    try:
+        assert put(store, [1], flush=False).accepted == [key(1)]
+        t0 = time.monotonic()
+        ack = put(store, range(2, 12), flush=False)  # 10 chunks, no slot frees up
+        took = time.monotonic() - t0
+        assert ack.skipped == [key(i) for i in range(2, 12)] and not ack.accepted
+        assert 0.15 < took < 0.6  # one deadline, not 10 x 0.2 s
+    finally:
+        release.set()
+    assert store.flush(5) and store.keys() == [key(1)]
+    store.close()
 
 
 def test_remove_of_a_pending_write_cancels_it(store: DiskStore, monkeypatch) -> None:

@@ -159,3 +159,72 @@ def test_kv_server_state_skips_what_cannot_fit_and_a_failed_store() -> None:
     s2 = KVServerState(1 << 20, store=broken, load=list)
     assert s2.put([key(1)], [META], [data(1)]).skipped == [key(1)]
     assert s2.stats()["used_bytes"] == 0 and s2.stats()["errors"] == 1
+
+
+def test_half_open_backoff_lets_one_trial_call_through() -> None:
+    backend = FakeBackend()
+    s = store(backend)
+
+    async def run() -> None:
+        backend.mode = "hang"
+        assert await s.contains([key(1)]) == [False]  # fails: the breaker opens
+        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        calls = backend.calls
+        start = time.monotonic()
+        # After the window: one trial goes to the (still hanging) server, the rest miss fast.
+        trial = asyncio.ensure_future(s.contains([key(1)]))
+        await asyncio.sleep(0.01)
+        for _ in range(5):
+            assert await s.get_batch([key(1)]) == ([None], [rs._EMPTY])
+        assert time.monotonic() - start < 0.05 and backend.calls == calls + 1
+        assert await trial == [False]  # the trial timed out: a longer window
+        assert s._backoff == 2 * rs.BACKOFF_MIN_S
+        backend.mode = "ok"
+        await asyncio.sleep(s._backoff + 0.02)
+        assert await s.contains([key(1)]) == [True]  # the trial succeeds: closed again
+        results = await asyncio.gather(*(s.contains([key(2)]) for _ in range(3)))
+        assert results == [[True]] * 3
+
+    asyncio.run(run())
+
+
+class IdentityBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_id = "run-1"
+
+    async def server_id(self) -> str:
+        return await self._act(self.run_id)
+
+
+def test_incarnation_changes_when_the_server_restarts_but_not_while_it_is_down() -> None:
+    backend = IdentityBackend()
+    s = store(backend)
+
+    async def run() -> None:
+        first = await s.identity()
+        assert first == await s.identity() and first.endswith(":run-1")
+        backend.mode = "fail"
+        assert await s.identity() == first  # unreachable: not a restart
+        backend.mode = "ok"
+        backend.run_id = "run-2"  # restarted, data gone
+        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        assert await s.identity() != first
+
+    asyncio.run(run())
+
+
+def test_a_remote_store_never_shows_the_password_in_repr_stats_or_logs(caplog) -> None:
+    backend = FakeBackend()
+    backend.mode = "fail"  # the back end's error message carries the password
+    s = store(backend)
+
+    async def run() -> dict:
+        assert await s.contains([key(1)]) == [False]
+        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        return await s.stats()
+
+    with caplog.at_level("DEBUG", logger="raykv"):
+        stats = asyncio.run(run())
+    assert "s3cret" not in repr(s) and "s3cret" not in repr(stats)
+    assert "***" in stats["url"] and "***" in caplog.text and "s3cret" not in caplog.text
