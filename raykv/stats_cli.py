@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 from raykv.actors.base import DEFAULT_NAMESPACE, STORAGE_MANAGER_NAME
@@ -30,6 +31,10 @@ def manager_names(namespace: str) -> list[str]:
         if a.get("namespace") == namespace and a["name"].startswith(STORAGE_MANAGER_NAME)
     }
     return sorted(names)
+
+
+# Longest wait to attach to a cluster before giving up with exit code 2.
+ATTACH_TIMEOUT_SECS = 30.0
 
 
 def collect(namespace: str, timeout: float = STATS_TIMEOUT_SECS) -> dict[str, Any]:
@@ -127,22 +132,43 @@ def _use_token_auth_if_available(address: str) -> None:
             os.environ["RAY_AUTH_MODE"] = "token"
 
 
+def _attach(address: str, namespace: str, timeout: float) -> str | None:
+    """`ray.init(address=...)`, bounded: Ray retries an unreachable GCS for minutes.
+
+    Returns None on success, else the reason. A hung attach leaves a daemon thread
+    behind, which is harmless in a CLI that exits next.
+    """
+    import ray
+
+    outcome: list[BaseException | None] = []
+
+    def attach() -> None:
+        try:
+            ray.init(
+                address=address, namespace=namespace, logging_level="ERROR", log_to_driver=False
+            )
+            outcome.append(None)
+        except BaseException as exc:  # reported to the user, never raised
+            outcome.append(exc)
+
+    thread = threading.Thread(target=attach, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer within {timeout:.0f} s (is a Ray cluster running there?)"
+    return None if outcome[0] is None else str(outcome[0])
+
+
 def _stats_command(args: argparse.Namespace) -> int:
     import ray
 
     attached = False
     if not ray.is_initialized():
         _use_token_auth_if_available(args.address)
-        try:
-            ray.init(
-                address=args.address,
-                namespace=args.namespace,
-                logging_level="ERROR",
-                log_to_driver=False,
-            )
-        except Exception as exc:
+        error = _attach(args.address, args.namespace, ATTACH_TIMEOUT_SECS)
+        if error is not None:
             print(
-                f"raykv stats: error: cannot attach to Ray at {args.address!r}: {exc}",
+                f"raykv stats: error: cannot attach to Ray at {args.address!r}: {error}",
                 file=sys.stderr,
             )
             return 2

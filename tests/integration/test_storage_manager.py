@@ -302,6 +302,17 @@ def test_a_killed_cpu_store_restarts_and_the_manager_serves_from_disk(m):
     before = ray.get(m.incarnations.remote())["cpu"]
     cpu = ray.get(m.tier_handles.remote())["cpu"]
     ray.kill(cpu, no_restart=False)
+    # ray.kill is asynchronous: wait until the store has really restarted (a client only
+    # learns of it when a read fails with OwnerDiedError, i.e. after the death).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if ray.get(cpu.incarnation.remote(), timeout=10) != before:
+                break
+        except ray.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < deadline, "the CPUStore did not restart"
+        time.sleep(0.1)
     # A client whose read failed with OwnerDiedError asks again with check_cpu=True.
     result = ray.get(m.get.remote(spans, check_cpu=True))
     assert result.hit_tokens == tokens(4) and result.tiers == ["disk"] * 4
