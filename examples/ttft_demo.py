@@ -32,7 +32,6 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 import raykv  # noqa: E402
-from raykv.actors.gpu_worker import create_gpu_worker  # noqa: E402
 
 QUESTION_TOKENS = 256
 WARM_REQUESTS = 3  # warm TTFT is the median of these (cheap, and steadier than one)
@@ -49,7 +48,7 @@ def run(contexts: list[int]) -> list[dict[str, object]]:
     )
     kv = raykv.connect(config)
     kv.clear()  # a rerun starts cold
-    worker = create_gpu_worker(config, seed=0, num_threads=os.cpu_count())
+    worker = raykv.create_gpu_worker(config, seed=0, num_threads=os.cpu_count())
     rng = np.random.default_rng(0)
     rows = []
     try:
@@ -133,10 +132,7 @@ def main() -> None:
         print_table(rows)
         plot(rows, args.out)
     finally:
-        from raykv.actors.storage_manager import shutdown_manager
-
-        shutdown_manager(NAMESPACE)  # the cache's actors are detached: stop them
-        ray.shutdown()
+        ray.shutdown()  # a local Ray: its shutdown stops the cache's (detached) actors too
 
 
 if __name__ == "__main__":

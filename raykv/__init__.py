@@ -5,6 +5,7 @@ Only the names in `__all__` are public; everything else may change.
 
 from __future__ import annotations
 
+from raykv.actors.gpu_worker import create_gpu_worker
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector
 from raykv.engine import KVCache, KVTarget, connect
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "connect",
+    "create_gpu_worker",
     "KVCache",
     "KVTarget",
     "GPUConnector",
