@@ -40,7 +40,10 @@ def timed(fn):  # noqa: ANN001, ANN201
 
 
 def main() -> None:
-    ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=512 << 20)
+    # address="local": always a fresh embedded Ray, never a cluster started elsewhere.
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, object_store_memory=512 << 20
+    )
     with tempfile.TemporaryDirectory() as disk_dir:
         kv, ms = timed(
             lambda: raykv.connect(
