@@ -1,0 +1,89 @@
+"""The cache-aware router's choice, without Serve: prefix summaries and replica ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from raykv.keys import KeyMaker  # noqa: E402
+from raykv.serve import PrefixSummary, chunk_ids, covered_prefix, rank_by_prefix  # noqa: E402
+
+KEYS = KeyMaker(chunk_size=4)
+
+
+def test_chunk_ids_are_chained_prefix_ids() -> None:
+    a = chunk_ids(KEYS, list(range(12)))
+    b = chunk_ids(KEYS, list(range(8)) + [99, 98, 97, 96])
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert chunk_ids(KEYS, [1, 2, 3]) == []  # no full chunk
+
+
+def test_covered_prefix_stops_at_the_first_missing_chunk() -> None:
+    ids = chunk_ids(KEYS, list(range(16)))
+    assert covered_prefix(ids, {ids[0], ids[1], ids[3]}) == 2
+    assert covered_prefix(ids, set()) == 0
+
+
+def test_summary_is_bounded_lru() -> None:
+    s = PrefixSummary(capacity=3)
+    s.add([1, 2, 3])
+    s.add([1])  # touch 1: 2 is now the oldest
+    s.add([4])
+    assert s.snapshot() == [3, 1, 4] and len(s) == 3
+    assert s.covered([3, 1, 9]) == 2
+
+
+def _summaries(tokens_by_replica: dict[str, list[list[int]]]) -> dict[str, PrefixSummary]:
+    out = {}
+    for rid, prompts in tokens_by_replica.items():
+        out[rid] = PrefixSummary()
+        for p in prompts:
+            out[rid].add(chunk_ids(KEYS, p))
+    return out
+
+
+def test_longest_prefix_replica_ranks_first() -> None:
+    shared = list(range(8))
+    summaries = _summaries(
+        {"r0": [shared + [50, 51, 52, 53]], "r1": [shared], "r2": [[7, 7, 7, 7]]}
+    )
+    request = chunk_ids(KEYS, shared + [50, 51, 52, 53, 60, 61, 62, 63])
+    matches = {r: s.covered(request) for r, s in summaries.items()}
+    assert matches == {"r0": 3, "r1": 2, "r2": 0}
+    ranks = rank_by_prefix(request, ["r0", "r1", "r2"], matches, {}, rng=random.Random(0))
+    assert ranks[0] == ["r0"]
+    assert sorted(sum(ranks[1:], [])) == ["r1", "r2"]  # every replica stays reachable
+
+
+def test_a_short_shared_prefix_alone_does_not_bind() -> None:
+    # 2 of 5 chunks (a system prompt) is below the default ratio 0.5: plain pow-2.
+    ranks = rank_by_prefix([1, 2, 3, 4, 5], ["a", "b"], {"a": 2}, {}, rng=random.Random(0))
+    assert sorted(ranks[0]) == ["a", "b"]
+    assert rank_by_prefix([1, 2, 3, 4, 5], ["a", "b"], {"a": 3}, {})[0] == ["a"]
+
+
+def test_ties_share_the_first_rank() -> None:
+    ranks = rank_by_prefix([1, 2], ["a", "b", "c"], {"a": 2, "b": 2}, {})
+    assert sorted(ranks[0]) == ["a", "b"] and ranks[1] == ["c"]
+
+
+def test_no_match_falls_back_to_power_of_two() -> None:
+    ranks = rank_by_prefix([1, 2], ["a", "b", "c", "d"], {}, {}, rng=random.Random(1))
+    assert len(ranks[0]) == 2 and len(ranks[1]) == 2
+    assert sorted(ranks[0] + ranks[1]) == ["a", "b", "c", "d"]
+    assert rank_by_prefix([], ["a"], {}, {}) == [["a"]]
+    assert rank_by_prefix([1], [], {}, {}) == []
+
+
+def test_overloaded_holder_is_skipped() -> None:
+    matches = {"a": 5, "b": 0}
+    busy = {"a": 10, "b": 1}
+    ranks = rank_by_prefix([1] * 5, ["a", "b"], matches, busy, imbalance_threshold=4)
+    assert sorted(ranks[0]) == ["a", "b"]  # plain pow-2 over both: Serve takes the shorter queue
+    ok = rank_by_prefix([1] * 5, ["a", "b"], matches, {"a": 3, "b": 1}, imbalance_threshold=4)
+    assert ok[0] == ["a"]
+    unknown = rank_by_prefix([1] * 5, ["a", "b"], matches, {"a": None}, imbalance_threshold=0)
+    assert unknown[0] == ["a"]
