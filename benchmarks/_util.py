@@ -34,3 +34,78 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
+
+
+class Summary:
+    """A benchmark's machine-readable results, written by `--json PATH` for the report.
+
+    rows: one per figure, each beside its same-run baseline (`ratio` = value / baseline).
+    goals: the project's targets with the measured value and whether they are met.
+    plots: line or bar charts the report draws (see `benchmarks.runner.draw_plot`).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, object]] = []
+        self.goals: list[dict[str, object]] = []
+        self.plots: list[dict[str, object]] = []
+
+    def row(
+        self,
+        name: str,
+        value: float,
+        unit: str,
+        baseline: str = "",
+        baseline_value: float | None = None,
+    ) -> None:
+        """Record one figure and (optionally) its baseline from the same run."""
+        ratio = value / baseline_value if baseline_value else None
+        self.rows.append(
+            {
+                "name": name,
+                "value": value,
+                "unit": unit,
+                "baseline": baseline,
+                "baseline_value": baseline_value,
+                "ratio": ratio,
+            }
+        )
+
+    def goal(self, goal: str, value: float | str, met: bool | None) -> None:
+        """Record a goal, the measured value it is judged on, and whether it is met."""
+        self.goals.append({"goal": goal, "value": value, "met": met})
+
+    def plot(
+        self,
+        name: str,
+        title: str,
+        xlabel: str,
+        ylabel: str,
+        series: dict[str, list[list[float]]] | None = None,
+        kind: str = "line",
+        categories: list[str] | None = None,
+        xscale: str = "linear",
+    ) -> None:
+        """Record a chart: `line` series are [[x, y], ...]; `bar` series are one y per category."""
+        self.plots.append(
+            {
+                "name": name,
+                "title": title,
+                "xlabel": xlabel,
+                "ylabel": ylabel,
+                "kind": kind,
+                "series": series or {},
+                "categories": categories or [],
+                "xscale": xscale,
+            }
+        )
+
+    def write(self, path: str | None) -> None:
+        """Write the summary as JSON to `path` (no-op when `path` is None)."""
+        if not path:
+            return
+        import json
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": self.rows, "goals": self.goals, "plots": self.plots}
+        Path(path).write_text(json.dumps(doc, indent=2, default=float))

@@ -1,6 +1,6 @@
 """Speed of the CPU tier and the StorageManager, each beside a baseline from the same run.
 
-    python benchmarks/bench_tiers.py [--quick] [--json results/bench_tiers.json]
+    python -m benchmarks.bench_tiers [--quick] [--json results/bench_tiers.json]
 
 Measures (medians; every figure is printed with its baseline and the ratio):
 
@@ -15,6 +15,9 @@ Measures (medians; every figure is printed with its baseline and the ratio):
   `ray://` remote, vs one trivial async-actor round trip.
 * prefetch of 512 MiB (128 MiB with --quick) from disk into CPU vs the disk actor's
   own `get_batch` called directly.
+
+Goals: put >= 0.8x raw `ray.put`; get <= 1.0x (RTT + raw `ray.get`); lookup (packed
+form) <= 2.0x an actor round trip.
 """
 
 from __future__ import annotations
@@ -48,9 +51,24 @@ from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import ChunkSpan, KeyMaker  # noqa: E402
 from raykv.payload import PayloadMeta  # noqa: E402
 
+TITLE = "Storage tiers: CPU tier and StorageManager"
+NOTES = """\
+Hand-written analysis (figures quoted here are from the full run of 2026-11-22, with
+load average 3-5 on 2 cores, figures swinging up to 2x between runs: read the ratios).
+
+Why put misses its goal: a store that must own its objects (so data outlives the
+writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
+copied twice. Pulling from a producer actor (what a GPU worker does) copies once
+and reached 0.76-0.83x. Get pays for returning ObjectRefs through the manager
+(~0.5-0.7 ms) on top of the round trip. Lookups ship keys in a packed form
+(`PackedSpans`); a plain list of 512 `ChunkSpan`s costs about 6x a round trip.
+In that run lookup met its goal up to 128 chunks; 512 was just over (2.1x).
+"""
+
 MiB = 1 << 20
 GB = 1e9
 CHUNKS_PER_REQUEST = 16
+GOALS: list[dict] = []  # filled by report() from rows that carry a goal
 _counter = [0]
 
 
@@ -131,6 +149,10 @@ def report(
     goal: str = "",
 ) -> None:
     ratio = value / base if base else float("nan")
+    if goal:
+        op, limit = goal.split()[1:3]
+        met = ratio >= float(limit) if op == ">=" else ratio <= float(limit)
+        GOALS.append({"goal": f"{name}: ratio {op} {limit}", "value": round(ratio, 3), "met": met})
     rows.append(
         {
             "name": name,
@@ -289,7 +311,7 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
                     "ms",
                     "async actor RTT p50",
                     b50 * 1000,
-                    "goal <= 2.0",
+                    "goal <= 2.0" if form == "PackedSpans" else "",
                 )
                 report(rows, f"{name} p99", p99 * 1000, "ms", "async actor RTT p99", b99 * 1000)
     finally:
@@ -365,7 +387,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
     parser.add_argument("--json", help="write the rows to this JSON file")
     args = parser.parse_args()
-    reps = 3 if args.quick else 9
+    reps = 5 if args.quick else 9  # 3 gave bimodal put figures on a 2-core box
     ray.init(
         num_cpus=8,
         object_store_memory=6 << 30,
@@ -397,7 +419,37 @@ def main() -> None:
         ray.shutdown()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(summary_of(rows), indent=2))
+
+
+def summary_of(rows: list[dict]) -> dict:
+    """The `--json` document: rows, goals and a GB/s bar chart (see benchmarks._util.Summary)."""
+    figures = [r for r in rows if "unit" in r]
+    gbs = [
+        r
+        for r in figures
+        if r["unit"] == "GB/s" and not r["name"].startswith(("numpy", "CPU get throughput"))
+    ]  # get "throughput" is zero-copy (hundreds of GB/s): its latency row tells more
+    seen: dict[str, dict] = {}
+    for r in gbs:  # one bar pair per measurement: the first baseline (raw batched ray.put)
+        seen.setdefault(r["name"], r)
+    plot = {
+        "name": "tiers_cpu_gbs",
+        "title": "CPU tier GB/s (raykv vs same-run baseline)",
+        "xlabel": "",
+        "ylabel": "GB/s",
+        "kind": "bar",
+        "categories": list(seen),
+        "series": {
+            "raykv": [r["value"] for r in seen.values()],
+            "baseline": [r["baseline_value"] for r in seen.values()],
+        },
+        "xscale": "linear",
+    }
+    frag = [r for r in rows if "unit" not in r]
+    for r in frag:
+        figures.append({"name": r["name"], "value": r["value"], "unit": "", "baseline": ""})
+    return {"rows": figures, "goals": GOALS, "plots": [plot]}
 
 
 if __name__ == "__main__":

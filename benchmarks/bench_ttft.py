@@ -1,6 +1,6 @@
 """TTFT of the demo Llama model, cold vs warm, per context length and per tier of the prefix.
 
-    python benchmarks/bench_ttft.py [--quick] [--lengths 4096 8192] [--repeats 3]
+    python -m benchmarks.bench_ttft [--quick] [--lengths 4096 8192] [--repeats 3] [--json PATH]
 
 For each context length n, each repeat takes a new random n-token prefix and:
 
@@ -26,7 +26,7 @@ timed run, background writes of earlier requests are flushed (`kv.flush()`).
 Printed per (length, tier): median cold, warm and ideal seconds, speedup = cold/warm,
 ideal speedup = cold/ideal, and the fraction of ideal reached = speedup / ideal
 speedup (= ideal/warm). Goals at 4k and 8k: >= 0.8 from CPU, >= 0.6 from disk, >= 0.5
-from redis. Then a Markdown section for docs/BENCHMARKS.md.
+from redis. Then a Markdown section (or, with --json, a summary for `python -m benchmarks`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import print_table  # noqa: E402
+from benchmarks._util import Summary, print_table  # noqa: E402
 from raykv.actors.gpu_worker import ModelWorker  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
@@ -65,6 +65,24 @@ SUFFIX = 256
 TIERS = ("cpu", "disk", "redis")
 GOALS = {"cpu": 0.8, "disk": 0.6, "redis": 0.5}
 WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
+
+TITLE = "TTFT with the demo model"
+NOTES = """\
+Hand-written analysis (figures quoted here are from the full runs of 2026-11-22, load
+average ~10 on 2 cores with other suites running: the noise was larger than raykv's
+own share, so re-run on a quiet machine before trusting a cell). Two consecutive runs
+gave fractions of ideal 0.53 / 0.70 / 0.88 and 0.85 / 0.62 / 0.67 at 4k, 0.83 / 0.72 /
+0.88 and 0.67 / 0.82 / 0.57 at 8k (cpu / disk / redis): cells flip between met and
+missed from run to run, while raykv's load time stayed at 25-170 ms (CPU) and
+0.1-0.3 s (disk, Redis; disk reads from the page cache) against suffix prefills of
+0.3-1.5 s. An 8k breakdown: lookup 4 ms, buffer allocation 7 ms, retrieve 26 ms,
+cache build 8 ms.
+
+Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm
+path equal the cold path within 1e-4 (measured 8.6e-7 for the default model, 0.0
+for a 4-layer model) and 12 greedy tokens are identical, with the prefix served from
+CPU, from disk, from Redis and from a `ray://` KVServer.
+"""
 
 
 def _redis_server_class() -> type:
@@ -209,10 +227,50 @@ def rows_of(results: dict[int, Samples]) -> list[list[Any]]:
                     f"{cold / warm:.1f}x",
                     f"{cold / ideal:.1f}x",
                     f"{frac:.2f}",
-                    f"{'met' if frac >= goal else 'MISSED'} (>= {goal})",
+                    f"{'met' if frac >= goal else 'MISSED'} (>= {goal})" if n >= 4096 else "-",
                 ]
             )
     return rows
+
+
+def summary_of(results: dict[int, Samples]) -> Summary:
+    """Rows (warm TTFT beside cold), goals (fraction of ideal) and the TTFT-vs-length plot."""
+    summary = Summary()
+    series: dict[str, list[list[float]]] = {"cold (full prefill)": [], "ideal": []}
+    for n, s in results.items():
+        cold, ideal = statistics.median(s.cold), statistics.median(s.ideal)
+        series["cold (full prefill)"].append([n, cold])
+        series["ideal"].append([n, ideal])
+        summary.row(
+            f"{n // 1024}k ideal TTFT (prefix in model cache)", ideal, "s", "cold TTFT", cold
+        )
+        for tier in TIERS:
+            warm = statistics.median(s.warm[tier])
+            series.setdefault(f"warm from {tier}", []).append([n, warm])
+            summary.row(f"{n // 1024}k warm TTFT from {tier}", warm, "s", "cold TTFT", cold)
+            summary.row(
+                f"{n // 1024}k raykv load from {tier}",
+                statistics.median(s.load[tier]),
+                "s",
+                "ideal TTFT",
+                ideal,
+            )
+            frac = ideal / warm
+            if n < 4096:  # the goals are set at 4k and 8k; shorter contexts only plot
+                continue
+            summary.goal(
+                f"{n // 1024}k from {tier}: fraction of ideal >= {GOALS[tier]}",
+                round(frac, 3),
+                frac >= GOALS[tier],
+            )
+    summary.plot(
+        "ttft_vs_context",
+        "TTFT vs context length per tier (demo model, CPU)",
+        "context length (tokens)",
+        "TTFT (s)",
+        series,
+    )
+    return summary
 
 
 HEADERS = [
@@ -250,13 +308,14 @@ def markdown(rows: list[list[Any]], args: argparse.Namespace, load: tuple[float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4k only, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="2k and 4k, 2 repeats")
     parser.add_argument(
         "--lengths", type=int, nargs="+", help="context lengths (default 4096 8192)"
     )
     parser.add_argument("--repeats", type=int, help="repeats per length (default 3)")
+    parser.add_argument("--json", help="write a machine-readable summary to this file")
     args = parser.parse_args()
-    args.lengths = args.lengths or ([4096] if args.quick else [4096, 8192])
+    args.lengths = args.lengths or ([2048, 4096] if args.quick else [4096, 8192])
     args.repeats = args.repeats or (2 if args.quick else 3)
 
     print(
@@ -294,7 +353,10 @@ def main() -> None:
             print()
             print_table(HEADERS, rows)
             print()
-            print(markdown(rows, args, os.getloadavg()))
+            if args.json:  # the runner (python -m benchmarks) writes the report itself
+                summary_of(results).write(args.json)
+            else:
+                print(markdown(rows, args, os.getloadavg()))
         finally:
             if bench is not None:
                 for ns in bench.namespaces:
