@@ -4,6 +4,18 @@ The CPU tier holds about an eighth of the working set and the disk tier about ha
 eviction, promotion and lower-tier reads run all the time. Pins left by clients that
 never come back ("abandon" ops) must be released by the lease. Duration:
 `--soak-seconds` or `$RAYKV_SOAK_SECONDS` (default 30 s).
+
+Resource bounds, sampled every second (the peaks are printed):
+
+* RSS (`/proc/PID/status` VmRSS) of each raykv actor process (StorageManager, CPU, disk,
+  remote store) <= its RSS after a warm-up + the RAM its tier may hold (CPU: its budget,
+  1 MiB, whose object store pages it touches; disk: its budget, 4 MiB, for pending
+  writes; manager and remote: 0) + 150 MiB. Measured on a 2-core box (two runs):
+  baselines 283-293 MiB, growth over 30 s at most +36/+52 MiB (the CPU store; the others
+  +5 to +18 MiB), so every bound keeps ~100 MiB of margin.
+* Ray's object store use (the raylet's `object_store_bytes_used`) grows by at most
+  CPU budget + 8 clients x 64 KiB (largest request) x 8 in-flight copies = 5 MiB
+  (measured +2.7 and +1.5 MiB).
 """
 
 from __future__ import annotations
@@ -15,10 +27,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from soak_workload import CHUNK_BYTES, C, Corpus, Workload, wait_until
+import ray
+from resource_monitor import MIB, ResourceMonitor, actor_pids, fmt_mib
+from soak_workload import CHUNK_BYTES, C, Corpus, Workload, chunk_tensor, wait_until
 
 import raykv
+from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.disk_store import SUFFIX, TMP_SUFFIX
 from raykv.actors.storage_manager import shutdown_manager
 
@@ -28,6 +44,19 @@ GIB = 1 << 30
 CPU_BYTES = 1 << 20
 DISK_BYTES = 4 << 20
 PIN_LEASE_SECS = 2.0
+RESOURCE_SAMPLE_S = 1.0
+N_CLIENTS = 8
+# RSS bound of each actor: baseline (after a warm-up) + the RAM its tier may hold + overhead.
+RSS_OVERHEAD = 150 * MIB
+TIER_RAM = {"StorageManager": 0, "cpu": CPU_BYTES, "disk": DISK_BYTES, "remote": 0}
+# Object store bound (growth over the baseline): the CPU tier's objects plus the request
+# batches in flight, N_CLIENTS x (largest request: 6 doc + 2 suffix chunks) x
+# IN_FLIGHT_COPIES. The copies: a client's put batch (held by the disk and remote writers
+# until written), batches read from disk and Redis on their way up, evicted CPU batches
+# still borrowed by a reader, and Ray's deferred frees. Measured: +1.5 to +2.7 of 5 MiB.
+MAX_REQUEST_BYTES = 8 * CHUNK_BYTES
+IN_FLIGHT_COPIES = 8
+STORE_BOUND = CPU_BYTES + N_CLIENTS * MAX_REQUEST_BYTES * IN_FLIGHT_COPIES
 # Disk overshoot allowed while a victim's unlink races another put's write: a few records.
 DISK_SLACK = 16 * (CHUNK_BYTES + 256)
 
@@ -106,9 +135,12 @@ def test_soak_mixed_workload_verifies_every_hit_and_stays_within_budgets(
     working_set = corpus.working_set_bytes()
     assert working_set > 6 * CPU_BYTES and working_set > DISK_BYTES
     admin = raykv.connect(**kwargs)
-    wl = Workload(kwargs, n_clients=8, corpus=corpus)
+    wl = Workload(kwargs, n_clients=N_CLIENTS, corpus=corpus)
     try:
-        with BoundsMonitor(admin, disk) as mon:
+        res = ResourceMonitor(_raykv_pids(ns), every=RESOURCE_SAMPLE_S)
+        _warm_up(admin, corpus)
+        res.baseline()
+        with res, BoundsMonitor(admin, disk) as mon:
             t0 = time.monotonic()
             wl.start()
             try:
@@ -135,6 +167,7 @@ def test_soak_mixed_workload_verifies_every_hit_and_stays_within_budgets(
             f"{stats['tiers']['cpu'].get('expired_leases')}; manager hit rate "
             f"{stats.get('hit_rate', 0):.2f}, remote errors {stats.get('remote_errors')}"
         )
+        print(_resource_report(res))
         c = wl.c
         assert c.errors == [], c.errors[:3]
         assert c.wrong_chunks == 0
@@ -144,6 +177,7 @@ def test_soak_mixed_workload_verifies_every_hit_and_stays_within_budgets(
         assert mon.max_disk_index <= DISK_BYTES
         assert mon.max_disk_files <= DISK_BYTES + DISK_SLACK
         assert released is not None, f"pins still held: {_pin_state(admin)}"
+        _assert_resource_bounds(res)
     finally:
         admin.close()
         shutdown_manager(ns)
@@ -161,3 +195,62 @@ def _pin_state(kv: raykv.KVCache) -> dict[str, Any]:
 
 def _no_pins(kv: raykv.KVCache) -> bool:
     return _pin_state(kv) == {"pinned_entries": 0, "leases": 0, "open_lookups": 0}
+
+
+# ----- resource bounds -----
+
+
+def _raykv_pids(namespace: str) -> dict[str, int]:
+    """PIDs of the manager and of every tier actor of `namespace`."""
+    manager = ray.get_actor(STORAGE_MANAGER_NAME, namespace=namespace)
+    tiers = ray.get(manager.tier_handles.remote(), timeout=30)
+    pids = actor_pids(manager, tiers)
+    assert set(pids) == set(TIER_RAM), pids
+    return pids
+
+
+def _warm_up(kv: raykv.KVCache, corpus: Corpus) -> None:
+    """One store/flush/retrieve through every tier, so lazy imports are in the baseline."""
+    import torch
+
+    tokens = corpus.prompt(np.random.default_rng(7))
+    spans = kv.spans(tokens)
+    kv.store(tokens, [chunk_tensor(s.key) for s in spans])
+    kv.flush(10.0)
+    kv.retrieve(tokens, torch.zeros(2, 2, len(tokens), 64, dtype=torch.float16))
+
+
+def _rss_bound(res: ResourceMonitor, name: str) -> int:
+    return res.peaks.baseline[name].total + TIER_RAM[name] + RSS_OVERHEAD
+
+
+def _resource_report(res: ResourceMonitor) -> str:
+    p = res.peaks
+    lines = [
+        f"resources ({p.samples} samples every {res.every:.0f} s; bound = baseline + tier RAM "
+        f"+ {RSS_OVERHEAD // MIB} MiB):"
+    ]
+    for name in res.pids:
+        base, peak = p.baseline[name], p.peak[name]
+        lines.append(
+            f"  {name:14s} rss baseline {fmt_mib(base.total)} peak {fmt_mib(peak.total)} "
+            f"(+{(peak.total - base.total) / MIB:6.1f}; anon peak {fmt_mib(peak.anon)}, "
+            f"shmem peak {fmt_mib(peak.shmem)}) bound {fmt_mib(_rss_bound(res, name))}"
+        )
+    lines.append(
+        f"  object store   baseline {fmt_mib(p.store_baseline)} peak {fmt_mib(p.store_peak)} "
+        f"(+{(p.store_peak - p.store_baseline) / MIB:.2f} MiB) bound +{STORE_BOUND / MIB:.2f} MiB "
+        f"= cpu {CPU_BYTES / MIB:.0f} MiB + {N_CLIENTS} clients x "
+        f"{MAX_REQUEST_BYTES // 1024} KiB x {IN_FLIGHT_COPIES}"
+    )
+    if p.sample_errors:
+        lines.append(f"  sample errors: {p.sample_errors[:3]}")
+    return "\n".join(lines)
+
+
+def _assert_resource_bounds(res: ResourceMonitor) -> None:
+    p = res.peaks
+    assert p.samples > 0
+    for name in res.pids:
+        assert p.peak[name].total <= _rss_bound(res, name), _resource_report(res)
+    assert p.store_peak - p.store_baseline <= STORE_BOUND, _resource_report(res)
