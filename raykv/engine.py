@@ -453,6 +453,9 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
 
     `config` defaults to `RayKVConfig.load()` (defaults < YAML file < `RAYKV_*` env);
     keyword `overrides` win over all of them. Starts a local Ray if none is running.
+    With `enable_controller: true` the client attaches to the manager of the node it
+    runs on (one cache instance per node, peers of each other through the controller);
+    otherwise to the namespace's one cluster-wide manager.
     """
     from raykv.actors.storage_manager import get_or_create_manager
 
@@ -462,7 +465,8 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
         config = config.replace(**overrides)
     if not ray.is_initialized():
         ray.init()
-    kv = KVCache(config, get_or_create_manager(config))
+    node_id = ray.get_runtime_context().get_node_id() if config.enable_controller else None
+    kv = KVCache(config, get_or_create_manager(config, node_id))
     # Wait for the actors to be up (seconds on first use), so the first request is not slow.
     kv._call("incarnations", timeout=_CONNECT_TIMEOUT_SECS, default=None)
     return kv

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.controller import get_or_create_controller
 from raykv.actors.kv_server import get_or_create_kv_server
@@ -131,3 +132,44 @@ def test_killing_node_a_stores_leaves_node_b_correct(cluster):
     finally:
         shutdown_manager(cfg.namespace)
         ray.kill(ray.get_actor("raykv-cluster-remote2", namespace=cfg.namespace), no_restart=True)
+
+
+@ray.remote(num_cpus=0)
+class _NodeClient:
+    """A client process on one node, connecting the way a serving app would."""
+
+    def __init__(self, cfg: RayKVConfig) -> None:
+        import raykv
+
+        self.kv = raykv.connect(cfg)
+
+    def store(self, tokens: list[int], kv: torch.Tensor) -> int:
+        return self.kv.store(tokens, kv)
+
+    def retrieve(self, tokens: list[int], shape: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
+        dest = torch.zeros(shape)
+        _, tiers = self.kv.retrieve(tokens, dest, return_tiers=True)
+        return tiers, dest
+
+
+def test_connect_with_the_controller_attaches_to_the_callers_node_manager(cluster) -> None:
+    cfg = _config(enable_controller=True)
+    try:
+        on = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)  # noqa: E731
+        client_a = _NodeClient.options(scheduling_strategy=on(cluster.a)).remote(cfg)
+        client_b = _NodeClient.options(scheduling_strategy=on(cluster.b)).remote(cfg)
+        tokens, kv = _prompt(41)
+        assert ray.get(client_a.store.remote(tokens, kv)) == TOKENS
+        names = {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == cfg.namespace
+        }
+        assert manager_name(cluster.a) in names
+        helper = KVCache(cfg, get_or_create_manager(cfg, cluster.a))
+        _wait_known(cfg, helper, tokens, cluster.a)
+        tiers, got = ray.get(client_b.retrieve.remote(tokens, tuple(kv.shape)))
+        assert tiers == {"peer": TOKENS}  # node B's own manager pulled it from node A
+        assert torch.equal(got, kv)
+    finally:
+        shutdown_manager(cfg.namespace)
