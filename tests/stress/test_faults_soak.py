@@ -186,6 +186,8 @@ def corrupt_disk(root: Path, rng: np.random.Generator, n: int = 12) -> str:
         path = files[int(i)]
         try:
             size = path.stat().st_size
+            if size == 0:  # already emptied by an earlier fault; nothing left to corrupt
+                continue
             if j % 3 == 0:
                 os.truncate(path, int(rng.integers(0, size)))
                 counts["truncated"] += 1
