@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -109,3 +111,14 @@ class Summary:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         doc = {"rows": self.rows, "goals": self.goals, "plots": self.plots}
         Path(path).write_text(json.dumps(doc, indent=2, default=float))
+
+
+def redis_server_class() -> type:
+    """`RedisServer` from tests/raykv_testing.py (a real redis-server on a free loopback
+    port, stopped by PID), loaded by path since tests/ is no package: one launcher for
+    the tests and the benchmarks."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "raykv_testing.py"
+    spec = importlib.util.spec_from_file_location("raykv_testing", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.RedisServer

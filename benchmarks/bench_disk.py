@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import Summary
+from benchmarks._util import Summary, redis_server_class
 from raykv.actors.disk_store import SUFFIX, DiskStore, layout_digest
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, encode
@@ -225,46 +223,15 @@ def bench_reopen(root: Path, count: int, reps: int) -> None:
     SUMMARY.row(f"reopen a directory of {count} chunk files", t, "s")
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            shutil.which("redis-server") or "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.terminate()
-    raise RuntimeError("redis-server did not start")
-
-
 def bench_redis(root: Path, chunk_bytes: int, total_bytes: int, reps: int) -> None:
     import redis.asyncio as aioredis
 
     from raykv.actors.remote_store import RemoteStore
     from raykv.config import RayKVConfig
 
-    proc, port = start_redis(root)
-    url = f"redis://127.0.0.1:{port}/0"
+    server = redis_server_class()(root)
+    server.start()
+    url = server.url
     n = max(2, total_bytes // chunk_bytes)
     meta, arrays = chunks(n, chunk_bytes)
     keys = [key(i) for i in range(n)]
@@ -322,8 +289,7 @@ def bench_redis(root: Path, chunk_bytes: int, total_bytes: int, reps: int) -> No
     try:
         asyncio.run(run())
     finally:
-        proc.terminate()
-        proc.wait(5)
+        server.stop()
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
 import platform
 import statistics
@@ -54,7 +53,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import Summary, print_table  # noqa: E402
+from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
 from raykv.actors.gpu_worker import ModelWorker  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
@@ -83,14 +82,6 @@ path equal the cold path within 1e-4 (measured 8.6e-7 for the default model, 0.0
 for a 4-layer model) and 12 greedy tokens are identical, with the prefix served from
 CPU, from disk, from Redis and from a `ray://` KVServer.
 """
-
-
-def _redis_server_class() -> type:
-    """`RedisServer` from tests/raykv_testing.py, loaded by path (tests is no package)."""
-    spec = importlib.util.spec_from_file_location("raykv_testing", ROOT / "tests/raykv_testing.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.RedisServer
 
 
 @dataclass
@@ -323,7 +314,7 @@ def main() -> None:
         f"{torch.__version__}, ray {ray.__version__}",
         flush=True,
     )
-    redis_server_cls = _redis_server_class()
+    redis_server_cls = redis_server_class()
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:
         server = redis_server_cls(Path(tmp))
         server.start()
