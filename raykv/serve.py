@@ -8,15 +8,24 @@ Two deployments: `KVIngress` (HTTP, parses and validates the JSON) calls `KVMode
 through a `DeploymentHandle`, and that handle routes with a custom Ray Serve request
 router (`request_router_config`). Routers:
 
-* ``cache_aware`` (`CacheAwareRouter`): each replica reports, through Serve's routing
-  stats (`record_routing_stats`), a bounded summary of the prompts it served recently:
-  the 64-bit prefixes of their chained chunk hashes. The router hashes the request's
-  tokens with the same `KeyMaker` and prefers the replica whose summary covers the
-  longest run of leading chunks (at least half of them); it also remembers what it
-  routed itself since the last stats update, so the turns of a conversation stick at
-  once. A
-  preferred replica much busier than the least loaded one (`imbalance_threshold`), or
-  no match at all, falls back to power-of-two choices on queue length.
+* ``cache_aware`` (`CacheAwareRouter`): the router hashes the request's tokens with the
+  cache's `KeyMaker` and prefers the replica that holds the longest run of its leading
+  chunks (at least half of them), from two sources:
+
+  - the cluster's `KVController` (when the cache runs with ``enable_controller: true``):
+    one `best_instances` call per request says which nodes' CPU/disk tiers hold how
+    long a prefix; every replica on such a node counts as holding it (its node's
+    StorageManager loads it locally instead of from a peer, the remote tier, or
+    recomputing). A slow or missing controller costs only this signal
+    (`controller_timeout_s`, then the summaries alone decide);
+  - per-replica summaries: each replica reports, through Serve's routing stats
+    (`record_routing_stats`), the 64-bit ids of the chained chunk hashes it served
+    recently, and the router remembers what it routed itself since the last stats
+    update, so the turns of a conversation stick at once. Among replicas with the same
+    prefix, the one that served it itself wins (its replica-local state is warm).
+
+  A preferred replica much busier than the least loaded one (`imbalance_threshold`),
+  or no match at all, falls back to power-of-two choices on queue length.
 * ``pow2``: Serve's default (`PowerOfTwoChoicesRequestRouter`).
 * ``random`` (`RandomRouter`): a uniformly random replica (a baseline).
 
@@ -33,9 +42,12 @@ import asyncio
 import logging
 import os
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal
+
+import ray
 
 try:
     from ray import serve
@@ -134,6 +146,7 @@ def rank_by_prefix(
     imbalance_threshold: int = 4,
     min_match_chunks: int = 1,
     min_match_ratio: float = 0.5,
+    tiebreak: Mapping[Hashable, int] | None = None,
     rng: random.Random | None = None,
 ) -> list[list[Hashable]]:
     """Ranks of replica ids for one request (Serve tries rank 0 first, lowest queue within).
@@ -143,8 +156,9 @@ def rank_by_prefix(
     request's chunks, so that a shared system prompt alone does not pile every new
     conversation onto one replica) form rank 0, unless all of them are
     more than `imbalance_threshold` requests busier than the least loaded replica (an
-    unknown queue length counts as 0). The fallback is power-of-two choices: two random
-    replicas (Serve takes the shorter queue), then the rest.
+    unknown queue length counts as 0); among those, the ones with the highest
+    `tiebreak` (e.g. the prefix the replica served itself) are kept. The fallback is
+    power-of-two choices: two random replicas (Serve takes the shorter queue), then the rest.
     """
     if not replicas:
         return []
@@ -156,6 +170,9 @@ def rank_by_prefix(
         least = min(load.values())
         top = [r for r in replicas if matches.get(r, 0) == best]
         top = [r for r in top if load[r] - least <= imbalance_threshold]
+        if top and tiebreak:
+            high = max(tiebreak.get(r, 0) for r in top)
+            top = [r for r in top if tiebreak.get(r, 0) == high]
         if top:
             ranks.append(top)
     rest = [r for r in replicas if not ranks or r not in ranks[0]]
@@ -186,39 +203,104 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         self,
         chunk_size: int = 256,
         hash_seed: str | int = "raykv-v1",
+        model_name: str = "default",
+        world_size: int = 1,
+        worker_id: int = 0,
+        kv_dtype: str = "bfloat16",
         imbalance_threshold: int = 4,
         min_match_chunks: int = 1,
         min_match_ratio: float = 0.5,
         history_size: int = DEFAULT_SUMMARY_SIZE,
+        namespace: str | None = None,
+        use_controller: bool = False,
+        controller_timeout_s: float = 0.5,
+        use_summaries: bool = True,
         **_: Any,
     ) -> None:
-        """Called by Serve with `request_router_kwargs` (the cache's chunking and seed)."""
-        self._keys = KeyMaker(chunk_size=chunk_size, hash_seed=hash_seed)
+        """Called by Serve with `request_router_kwargs`: the cache's key fields (so the
+        router's chunk keys equal the replicas'), its namespace, and the routing knobs."""
+        self._keys = KeyMaker(
+            model_name=model_name,
+            world_size=world_size,
+            worker_id=worker_id,
+            kv_dtype=kv_dtype,
+            chunk_size=chunk_size,
+            hash_seed=hash_seed,
+        )
         self._imbalance = imbalance_threshold
         self._min_match = min_match_chunks
         self._min_ratio = min_match_ratio
         self._history_size = history_size
+        self._use_summaries = use_summaries
+        self._namespace = namespace if use_controller else None
+        self._controller_timeout = controller_timeout_s
+        self._controller: Any = None
+        self._controller_retry_at = 0.0
         # What this router sent each replica since it started (immediate, before stats).
         self._routed: dict[Any, PrefixSummary] = {}
         # Reported summaries as sets, cached by the identity of the reported list.
         self._reported: dict[Any, tuple[int, frozenset[int]]] = {}
-        self._pending_ids: OrderedDict[str, list[int]] = OrderedDict()
+        # Per pending request: its chunk ids and the controller's {node: prefix chunks}
+        # (asked once per request, even when Serve calls choose_replicas again).
+        self._pending: OrderedDict[str, tuple[list[int], dict[str, int]]] = OrderedDict()
 
-    def _request_ids(self, pending: PendingRequest | None) -> list[int]:
+    async def _get_controller(self) -> Any:
+        """The KVController handle, looked up off the event loop (None while it is missing)."""
+        if self._controller is None:
+            from raykv.actors.base import CONTROLLER_NAME
+
+            try:
+                self._controller = await asyncio.to_thread(
+                    ray.get_actor, CONTROLLER_NAME, namespace=self._namespace
+                )
+            except Exception:  # not started yet: no cache has reported anything
+                self._controller_retry_at = time.monotonic() + 5.0
+        return self._controller
+
+    async def node_matches(self, keys: list[Any]) -> dict[str, int]:
+        """{node id: leading chunks of `keys` its tiers hold}, from the KVController.
+
+        Any failure or a reply slower than `controller_timeout_s` gives {} (the
+        summaries still route) and a 5 s pause before the controller is asked again,
+        so a stuck controller costs at most one timeout per pause, not one per request.
+        """
+        if not (self._namespace and keys) or time.monotonic() < self._controller_retry_at:
+            return {}
+        controller = await self._get_controller()
+        if controller is None:
+            return {}
+        try:
+            ref = controller.best_instances.remote(keys)
+            found = await asyncio.wait_for(ref, self._controller_timeout)
+        except asyncio.TimeoutError:  # overloaded: route without it for a while
+            self._controller_retry_at = time.monotonic() + 5.0
+            return {}
+        except Exception as exc:  # the controller died or restarts: find it again later
+            logger.debug("KVController unavailable for routing: %r", exc)
+            self._controller = None
+            return {}
+        return {str(node): int(n) for node, n in found}
+
+    async def _request_state(
+        self, pending: PendingRequest | None
+    ) -> tuple[list[int], dict[str, int]]:
+        """The request's chunk ids and {node: prefix chunks}, computed once per request."""
         tokens = request_tokens(pending)
         if tokens is None:
-            return []
+            return [], {}
         rid = pending.metadata.internal_request_id  # type: ignore[union-attr]
-        if rid in self._pending_ids:
-            return self._pending_ids[rid]
-        try:
-            ids = chunk_ids(self._keys, tokens)
-        except Exception:  # a malformed request is the replica's to reject, not ours
-            ids = []
-        self._pending_ids[rid] = ids
-        while len(self._pending_ids) > 1024:
-            self._pending_ids.popitem(last=False)
-        return ids
+        cached = self._pending.get(rid)
+        if cached is None:
+            try:
+                spans = self._keys.keys(tokens)
+            except Exception:  # a malformed request is the replica's to reject, not ours
+                spans = []
+            ids = [int(span.key.chunk_hash[:16], 16) for span in spans]
+            cached = (ids, await self.node_matches([span.key for span in spans]))
+            self._pending[rid] = cached
+            while len(self._pending) > 1024:
+                self._pending.popitem(last=False)
+        return cached
 
     def _summary(self, replica: RunningReplica) -> frozenset[int]:
         reported = (replica.routing_stats or {}).get(STATS_KEY) or []
@@ -229,7 +311,9 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         return cached[1]
 
     def match(self, replica: RunningReplica, ids: Sequence[int]) -> int:
-        """Leading chunks of the request the replica holds (reported or routed here)."""
+        """Leading chunks of the request the replica served itself (reported or routed here)."""
+        if not self._use_summaries:
+            return 0
         routed = self._routed.get(replica.replica_id)
         local = routed.covered(ids) if routed is not None else 0
         return max(local, covered_prefix(ids, self._summary(replica)))
@@ -242,8 +326,9 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id: r for r in candidate_replicas}
-        ids = self._request_ids(pending_request)
-        matches = {rid: self.match(r, ids) for rid, r in by_id.items()} if ids else {}
+        ids, nodes = await self._request_state(pending_request)
+        own = {rid: self.match(r, ids) for rid, r in by_id.items()} if ids else {}
+        matches = {rid: max(own.get(rid, 0), nodes.get(r.node_id, 0)) for rid, r in by_id.items()}
         queue = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id}
         ranks = rank_by_prefix(
             ids,
@@ -253,13 +338,14 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             imbalance_threshold=self._imbalance,
             min_match_chunks=self._min_match,
             min_match_ratio=self._min_ratio,
+            tiebreak=own,
         )
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any):
-        ids = self._pending_ids.pop(pending_request.metadata.internal_request_id, None)
-        if ids:
-            self._routed.setdefault(replica_id, PrefixSummary(self._history_size)).add(ids)
+        state = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        if state and state[0]:
+            self._routed.setdefault(replica_id, PrefixSummary(self._history_size)).add(state[0])
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -315,6 +401,7 @@ class KVModelServer:
         from raykv.actors.gpu_worker import ModelWorker
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
         cfg = RayKVConfig.load(**(config or {}))
         if cache_scope == "replica":  # a replica-local cache: its own namespace of actors
             cfg = cfg.replace(namespace=f"{cfg.namespace}-{self.replica_id}")
@@ -328,7 +415,7 @@ class KVModelServer:
         self._lock = asyncio.Lock()  # one generate at a time: CPU prefill uses every core
 
     async def generate(self, tokens: list[int], max_new_tokens: int = 16) -> dict[str, Any]:
-        """Generate with raykv; returns tokens, hit_tokens, ttft_s, replica and details."""
+        """Generate with raykv; returns tokens, hit_tokens, ttft_s, replica, node and details."""
         tokens, max_new_tokens = _check_request(tokens, max_new_tokens)
         if max(tokens) >= self.vocab_size:
             raise InvalidInputError(f"token ids must be < vocab_size {self.vocab_size}")
@@ -340,6 +427,7 @@ class KVModelServer:
             "hit_tokens": int(out["hit_tokens"]),
             "ttft_s": float(out["ttft_s"]),
             "replica": self.replica_id,
+            "node": self.node_id,
             "hit_tiers": dict(out["hit_tiers"]),
             "prompt_tokens": int(out["prompt_tokens"]),
         }
@@ -382,8 +470,15 @@ def router_config(
     *,
     stats_period_s: float = 1.0,
     imbalance_threshold: int = 4,
+    use_controller: bool | None = None,
+    options: dict[str, Any] | None = None,
 ) -> RequestRouterConfig:
-    """The `request_router_config` of the model deployment for `router`."""
+    """The `request_router_config` of the model deployment for `router`.
+
+    `use_controller` (default: `config.enable_controller`) lets `CacheAwareRouter` ask
+    the KVController of `config.namespace`; `options` are further `initialize_state`
+    keyword arguments (e.g. ``controller_timeout_s``, ``use_summaries``).
+    """
     if router == "pow2":
         return RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
     if router == "random":
@@ -394,7 +489,16 @@ def router_config(
             request_router_kwargs={
                 "chunk_size": config.chunk_size,
                 "hash_seed": config.hash_seed,
+                "model_name": config.model_name,
+                "world_size": config.world_size,
+                "worker_id": config.worker_id,
+                "kv_dtype": config.kv_dtype,
                 "imbalance_threshold": imbalance_threshold,
+                "namespace": config.namespace,
+                "use_controller": (
+                    config.enable_controller if use_controller is None else use_controller
+                ),
+                **(options or {}),
             },
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(stats_period_s, 5.0),
@@ -414,11 +518,17 @@ def build_app(
     max_ongoing_requests: int = 4,
     stats_period_s: float = 1.0,
     name_suffix: str = "",
+    max_replicas_per_node: int | None = None,
+    router_options: dict[str, Any] | None = None,
 ) -> serve.Application:
     """The Serve application: `KVIngress` over `replicas` x `KVModelServer` routed by `router`.
 
     `config` holds `RayKVConfig` overrides (defaults < file < env < these); `model`
-    holds demo-model overrides (e.g. `TINY_MODEL`).
+    holds demo-model overrides (e.g. `TINY_MODEL`). With ``enable_controller: true``
+    each replica uses its node's StorageManager and the router asks the KVController
+    which node holds a prompt's prefix (not with ``cache_scope="replica"``, where each
+    replica has a cache of its own and its summary already says what it holds).
+    `max_replicas_per_node=1` spreads the replicas over the nodes of a cluster.
     """
     if not isinstance(replicas, int) or replicas < 1:
         raise InvalidInputError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -428,7 +538,18 @@ def build_app(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus},
-        request_router_config=router_config(router, cfg, stats_period_s=stats_period_s),
+        request_router_config=router_config(
+            router,
+            cfg,
+            stats_period_s=stats_period_s,
+            use_controller=cfg.enable_controller and cache_scope == "shared",
+            options=router_options,
+        ),
+        **(
+            {}
+            if max_replicas_per_node is None
+            else {"max_replicas_per_node": max_replicas_per_node}
+        ),
     )
     ingress = serve.deployment(KVIngress).options(
         name=f"KVIngress{name_suffix}", ray_actor_options={"num_cpus": 0}
@@ -440,18 +561,73 @@ def build_app(
     )
 
 
-def app_from_env() -> serve.Application:
-    """`build_app` configured by ``SERVE_DEMO_*`` variables (see examples/serve_app.py)."""
-    model = TINY_MODEL if os.environ.get("SERVE_DEMO_MODEL", "tiny") == "tiny" else {}
-    config = {"chunk_size": int(os.environ.get("SERVE_DEMO_CHUNK_SIZE", "64"))}
-    config.setdefault("kv_dtype", "float32")
+DEMO_ARGS: dict[str, tuple[str, str]] = {  # demo_app argument -> (environment variable, default)
+    "model": ("SERVE_DEMO_MODEL", "tiny"),
+    "replicas": ("SERVE_DEMO_REPLICAS", "2"),
+    "router": ("SERVE_DEMO_ROUTER", "cache_aware"),
+    "chunk_size": ("SERVE_DEMO_CHUNK_SIZE", "64"),
+    "cache_scope": ("SERVE_DEMO_CACHE_SCOPE", "shared"),
+}
+
+
+def demo_app(args: dict[str, Any]) -> serve.Application:
+    """Serve application builder for examples/serve_app.py (``import_path: raykv.serve:demo_app``).
+
+    `args` (a Serve config's ``args:``) may set model (tiny|demo), replicas, router,
+    chunk_size and cache_scope; what it leaves out comes from the ``SERVE_DEMO_*``
+    variables, then the defaults. The cache itself is configured as usual (RAYKV_*
+    variables, RAYKV_CONFIG_FILE).
+    """
+    if not isinstance(args, dict):
+        raise InvalidInputError(f"demo_app args must be a mapping, got {type(args).__name__}")
+    unknown = sorted(set(args) - set(DEMO_ARGS))
+    if unknown:
+        raise InvalidInputError(f"unknown demo_app args {unknown}; known: {sorted(DEMO_ARGS)}")
+    opts = {
+        k: str(args.get(k, os.environ.get(env, default))) for k, (env, default) in DEMO_ARGS.items()
+    }
+    if opts["model"] not in ("tiny", "demo"):
+        raise InvalidInputError(f"model must be 'tiny' or 'demo', got {opts['model']!r}")
+    try:
+        replicas, chunk_size = int(opts["replicas"]), int(opts["chunk_size"])
+    except ValueError as exc:
+        raise InvalidInputError(f"replicas and chunk_size must be ints: {exc}") from None
     return build_app(
-        replicas=int(os.environ.get("SERVE_DEMO_REPLICAS", "2")),
-        router=os.environ.get("SERVE_DEMO_ROUTER", "cache_aware"),  # type: ignore[arg-type]
-        config=config,
-        model=model,
-        cache_scope=os.environ.get("SERVE_DEMO_CACHE_SCOPE", "shared"),  # type: ignore[arg-type]
+        replicas=replicas,
+        router=opts["router"],  # type: ignore[arg-type]
+        config={"chunk_size": chunk_size, "kv_dtype": "float32"},
+        model=TINY_MODEL if opts["model"] == "tiny" else {},
+        cache_scope=opts["cache_scope"],  # type: ignore[arg-type]
     )
+
+
+def app_from_env() -> serve.Application:
+    """`demo_app` configured by the ``SERVE_DEMO_*`` variables only."""
+    return demo_app({})
+
+
+def demo_client(argv: Sequence[str] | None = None) -> None:
+    """``python examples/serve_app.py --query N``: two requests sharing an N-token prefix."""
+    import argparse
+    import json
+    import urllib.request
+
+    parser = argparse.ArgumentParser(description="Query the raykv Serve demo over HTTP.")
+    parser.add_argument("--query", type=int, metavar="PREFIX_LEN", default=4096)
+    parser.add_argument("--url", default="http://127.0.0.1:8000/")
+    args = parser.parse_args(argv)
+    vocab = 1024 if os.environ.get("SERVE_DEMO_MODEL", "tiny") == "tiny" else 32000
+    rng = random.Random(0)
+    prefix = [rng.randrange(vocab) for _ in range(args.query)]
+    for turn in range(2):
+        body = {"tokens": prefix + [rng.randrange(vocab) for _ in range(16)], "max_new_tokens": 4}
+        req = urllib.request.Request(args.url, data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out = json.loads(resp.read())
+        print(
+            f"request {turn}: replica={out['replica']} hit_tokens={out['hit_tokens']} "
+            f"ttft_s={out['ttft_s']:.4f} tokens={out['tokens']}"
+        )
 
 
 __all__ = [
@@ -463,6 +639,8 @@ __all__ = [
     "RandomRouter",
     "app_from_env",
     "build_app",
+    "demo_app",
+    "demo_client",
     "chunk_ids",
     "covered_prefix",
     "rank_by_prefix",

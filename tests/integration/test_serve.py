@@ -1,7 +1,7 @@
 """Ray Serve on the session Ray: two replicas of the tiny demo model sharing raykv,
 routed by `CacheAwareRouter`, queried over HTTP on 127.0.0.1.
 
-A request whose 2k-token prefix one replica served before goes back to that replica
+A request whose 4k-token prefix one replica served before goes back to that replica
 and reports the prefix as a raykv hit; a fresh router (a new handle, which has not
 routed anything) finds the same replica from the replicas' reported routing stats."""
 
@@ -26,7 +26,7 @@ from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-CHUNK, PREFIX, SUFFIX = 64, 2048, 40
+CHUNK, PREFIX, SUFFIX = 64, 4096, 40
 APP = "raykv-serve-test"
 
 

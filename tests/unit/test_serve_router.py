@@ -87,3 +87,13 @@ def test_overloaded_holder_is_skipped() -> None:
     assert ok[0] == ["a"]
     unknown = rank_by_prefix([1] * 5, ["a", "b"], matches, {"a": None}, imbalance_threshold=0)
     assert unknown[0] == ["a"]
+
+
+def test_tiebreak_keeps_the_best_among_equal_matches() -> None:
+    matches = {"a": 4, "b": 4, "c": 1}
+    ranks = rank_by_prefix([1] * 4, ["a", "b", "c"], matches, {}, tiebreak={"b": 2, "a": 1})
+    assert ranks[0] == ["b"]
+    # The tiebreak never promotes a shorter match, and load still filters first.
+    busy = {"b": 9, "a": 0, "c": 0}
+    ranks = rank_by_prefix([1] * 4, ["a", "b", "c"], matches, busy, tiebreak={"b": 4, "c": 9})
+    assert ranks[0] == ["a"]

@@ -1,0 +1,110 @@
+"""Ray Serve on a 3-node cluster: two replicas of the tiny demo model on two different
+nodes, each with its node's StorageManager (``enable_controller: true``), routed by
+`CacheAwareRouter` asking the KVController which node holds a prompt's prefix.
+
+The replicas' own prefix summaries are switched off (``use_summaries=False``), so
+only the controller can send a request back to the node that holds its 4096-token
+prefix: by chance that would happen 1 time in 2 per prefix, and the test checks
+several prefixes on both nodes. The second request of each prefix must report the
+whole prefix as a hit from its node's own CPU tier (not a peer fetch)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+pytest.importorskip("transformers")
+
+import ray  # noqa: E402
+from raykv_testing import free_port  # noqa: E402
+
+from raykv.actors.controller import get_or_create_controller  # noqa: E402
+from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.config import RayKVConfig  # noqa: E402
+from raykv.keys import KeyMaker  # noqa: E402
+
+CHUNK, PREFIX, SUFFIX, VOCAB = 64, 4096, 40, 1024
+APP = "raykv-serve-multinode"
+
+
+@pytest.fixture(scope="module")
+def served(cluster) -> Iterator[tuple[str, RayKVConfig]]:
+    from ray import serve
+
+    from raykv.serve import TINY_MODEL, build_app
+
+    config = {
+        "namespace": f"serve-mn-{uuid.uuid4().hex[:8]}",
+        "chunk_size": CHUNK,
+        "kv_dtype": "float32",
+        "max_local_cpu_size": 0.02,
+        "enable_controller": True,
+    }
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    try:
+        app = build_app(
+            replicas=2,
+            router="cache_aware",
+            config=config,
+            model=TINY_MODEL,
+            num_cpus=0.5,
+            num_threads=1,
+            max_replicas_per_node=1,
+            router_options={"use_summaries": False, "controller_timeout_s": 5.0},
+        )
+        serve.run(app, name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}/", RayKVConfig.load(**config)
+    finally:
+        serve.shutdown()
+        shutdown_manager(config["namespace"])
+
+
+def _post(url: str, tokens: list[int]) -> dict[str, Any]:
+    body = json.dumps({"tokens": tokens, "max_new_tokens": 2}).encode()
+    req = urllib.request.Request(url, data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_known(cfg: RayKVConfig, prefix: list[int], node: str) -> None:
+    """Until the controller lists `node` for the whole prefix (reports are batched)."""
+    controller = get_or_create_controller(cfg.namespace)
+    keys = [s.key for s in KeyMaker.from_config(cfg).keys(prefix)]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (node, len(keys)) in ray.get(controller.best_instances.remote(keys)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the controller never listed node {node[:8]} for the prefix")
+
+
+def test_second_request_goes_to_the_node_holding_the_4k_prefix(
+    served: tuple[str, RayKVConfig],
+) -> None:
+    url, cfg = served
+    rng = random.Random(7)
+    firsts: list[tuple[list[int], dict[str, Any]]] = []
+    # New prefixes until both replicas served some (first requests go by pow-2).
+    while len(firsts) < 8 and (len(firsts) < 3 or len({f["replica"] for _, f in firsts}) < 2):
+        prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
+        out = _post(url, prefix + [rng.randrange(VOCAB) for _ in range(SUFFIX)])
+        assert out["hit_tokens"] == 0
+        firsts.append((prefix, out))
+    assert len({f["replica"] for _, f in firsts}) == 2, "pow-2 never used the second replica"
+    assert len({f["node"] for _, f in firsts}) == 2  # max_replicas_per_node=1
+    for prefix, first in firsts:
+        _wait_known(cfg, prefix, first["node"])
+    for prefix, first in firsts:
+        out = _post(url, prefix + [rng.randrange(VOCAB) for _ in range(SUFFIX)])
+        assert (out["replica"], out["node"]) == (first["replica"], first["node"])
+        assert out["hit_tokens"] == PREFIX
+        assert out["hit_tiers"] == {"cpu": PREFIX}  # its node's own CPU tier, no peer fetch
