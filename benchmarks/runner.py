@@ -73,6 +73,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("connector", "benchmarks.bench_connector", 300, 1200),
     Spec("ttft", "benchmarks.bench_ttft", 480, 2400),
     Spec("cluster", "benchmarks.bench_cluster", 480, 2400),
+    Spec("peer", "benchmarks.bench_peer", 300, 900),
 )
 
 
