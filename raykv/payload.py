@@ -246,11 +246,13 @@ class Decoded(NamedTuple):
     key: str
 
 
-def decode(buf: Any, expected_key: str | None = None) -> Decoded:
+def decode(buf: Any, expected_key: str | None = None, expected_dtype: str | None = None) -> Decoded:
     """Parse, check and return a payload; a zero-copy view of `buf` where possible.
 
     Raises `PayloadError` if the bytes are truncated, too long, corrupt, or
-    (when `expected_key` is given) belong to another key.
+    (when `expected_key` is given) belong to another key, or (when `expected_dtype`
+    is given: a tier passes its key's `kv_dtype`) hold KV of another dtype, so a tier
+    never serves bytes the key's model cannot read.
     """
     view = memoryview(buf).cast("B")
     header = read_header(view)
@@ -263,4 +265,6 @@ def decode(buf: Any, expected_key: str | None = None) -> Decoded:
         raise PayloadError("payload checksum mismatch")
     if expected_key is not None and header.key != expected_key:
         raise PayloadError(f"payload belongs to key {header.key!r:.80}, not {expected_key!r:.80}")
+    if expected_dtype is not None and header.meta.dtype != expected_dtype:
+        raise PayloadError(f"payload holds {header.meta.dtype} KV, not {expected_dtype!r:.40}")
     return Decoded(np.frombuffer(body, dtype=np.uint8), header.meta, header.key)

@@ -142,7 +142,7 @@ class RedisBackend:
             decoded = None
             if value is not None:
                 try:
-                    decoded = decode(value, expected_key=key.to_string())
+                    decoded = decode(value, key.to_string(), key.kv_dtype)
                 except PayloadError as exc:
                     logger.warning("redis tier: deleting a corrupt value of %s: %s", key, exc)
                     bad.append(self._name(key))

@@ -452,7 +452,7 @@ class DiskStore:
         """Why the file at `path` is not a valid record of `key`, or None if it is."""
         try:
             if deep:
-                decode(_read_file(path), expected_key=key.to_string())
+                decode(_read_file(path), key.to_string(), key.kv_dtype)
                 return None
             with _open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -464,6 +464,8 @@ class DiskStore:
             return str(exc)
         if header.key != key.to_string():
             return f"header names key {header.key!r:.80}"
+        if header.meta.dtype != key.kv_dtype:
+            return f"header declares {header.meta.dtype} KV, the key {key.kv_dtype}"
         if header.header_len + header.nbytes != size:
             return f"size {size} != {header.header_len + header.nbytes} declared"
         return None
@@ -679,7 +681,7 @@ class DiskStore:
         with self._lock:
             expected = self._index.size_of(key)
         try:
-            decoded = decode(_read_file(path, expected), expected_key=key.to_string())
+            decoded = decode(_read_file(path, expected), key.to_string(), key.kv_dtype)
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
             self._drop(key, unlink=False)

@@ -37,7 +37,7 @@ META = PayloadMeta("uint8", (2, 1, CHUNK_TOKENS, NBYTES // (2 * CHUNK_TOKENS)))
 
 def request(seed: int, n_chunks: int) -> list[ChunkSpan]:
     tokens = list(range(seed * 100_000, seed * 100_000 + n_chunks * CHUNK_TOKENS))
-    return KeyMaker(chunk_size=CHUNK_TOKENS).keys(tokens)
+    return KeyMaker(chunk_size=CHUNK_TOKENS, kv_dtype="uint8").keys(tokens)
 
 
 def put(manager, spans: list[ChunkSpan]):

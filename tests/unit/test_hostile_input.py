@@ -134,6 +134,11 @@ def test_a_record_of_another_key_or_dtype_is_not_accepted_for_this_key() -> None
     other = make_key("m", 1, 0, "cd" * 16, "float16")
     with pytest.raises(PayloadError, match="belongs to key"):
         decode(record(key=other), expected_key=KEY.to_string())
+    # Right key string, valid checksums, but the header declares bfloat16 KV.
+    forged = encode(payload(), PayloadMeta("bfloat16", META.shape), KEY.to_string()).tobytes()
+    assert decode(forged, KEY.to_string()).meta.dtype == "bfloat16"
+    with pytest.raises(PayloadError, match="holds bfloat16 KV"):
+        decode(forged, KEY.to_string(), KEY.kv_dtype)
 
 
 def test_a_pickle_is_never_unpickled_by_the_codec(tmp_path: Path) -> None:
@@ -188,6 +193,18 @@ def test_garbage_in_a_chunk_file_is_a_miss_and_the_file_goes(tmp_path_factory, g
         assert store.contains([key]) == [False]
     finally:
         store.close()
+
+
+def test_a_chunk_file_declaring_another_dtype_is_a_miss_and_check_flags_it(
+    disk: DiskStore,
+) -> None:
+    keys = stored(disk, 2)
+    forged = encode(payload(), PayloadMeta("bfloat16", META.shape), keys[0].to_string())
+    Path(disk.path_of(keys[0])).write_bytes(forged.tobytes())
+    assert disk.check(fix=False)["bad_files"] == 1  # a header-only check sees it too
+    got = disk.get(keys)
+    assert got[0] is None and got[1] is not None
+    assert not os.path.exists(disk.path_of(keys[0]))
 
 
 def test_a_pickle_bomb_in_a_chunk_file_is_a_miss_and_never_runs(
