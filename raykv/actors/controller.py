@@ -26,6 +26,7 @@ data itself is always read from a tier, keyed by the chained prefix hash.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -322,10 +323,27 @@ def get_or_create_controller(namespace: str) -> Any:
     ).remote()
 
 
+def wait_listed(
+    namespace: str, keys: Sequence[CacheKey], instance: str, timeout_s: float = 30.0
+) -> bool:
+    """Block until the controller lists `instance` for all of `keys` (True) or
+    `timeout_s` passes (False). Reports are batched, so a chunk stored a moment ago
+    becomes routable ~FLUSH_INTERVAL_SECS later; tests and benchmarks wait here."""
+    controller = get_or_create_controller(namespace)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if (instance, len(keys)) in ray.get(controller.best_instances.remote(list(keys))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 __all__ = [
     "Batch",
     "ControllerReporter",
     "ControllerState",
     "KVController",
     "get_or_create_controller",
+    "wait_listed",
 ]

@@ -4,7 +4,6 @@ tier, found by the KVController); losing A's stores leaves B correct."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -12,7 +11,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raykv.actors.controller import get_or_create_controller
+from raykv.actors.controller import wait_listed
 from raykv.actors.kv_server import get_or_create_kv_server
 from raykv.actors.storage_manager import get_or_create_manager, manager_name, shutdown_manager
 from raykv.config import RayKVConfig
@@ -49,14 +48,8 @@ def _prompt(seed: int) -> tuple[list[int], torch.Tensor]:
 
 def _wait_known(cfg: RayKVConfig, kv: KVCache, tokens: list[int], instance: str) -> None:
     """Until the controller lists `instance` for the whole prefix (reports are batched)."""
-    controller = get_or_create_controller(cfg.namespace)
     keys = [s.key for s in kv.spans(tokens)]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if (instance, len(keys)) in ray.get(controller.best_instances.remote(keys)):
-            return
-        time.sleep(0.1)
-    raise AssertionError("the controller never learnt about node A's chunks")
+    assert wait_listed(cfg.namespace, keys, instance, 20), "the controller never learnt of A"
 
 
 def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_remote_tier(cluster):

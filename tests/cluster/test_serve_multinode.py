@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -23,10 +22,9 @@ import pytest
 pytest.importorskip("ray.serve")
 pytest.importorskip("transformers")
 
-import ray  # noqa: E402
 from raykv_testing import free_port  # noqa: E402
 
-from raykv.actors.controller import get_or_create_controller  # noqa: E402
+from raykv.actors.controller import wait_listed  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
@@ -75,18 +73,6 @@ def _post(url: str, tokens: list[int]) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _wait_known(cfg: RayKVConfig, prefix: list[int], node: str) -> None:
-    """Until the controller lists `node` for the whole prefix (reports are batched)."""
-    controller = get_or_create_controller(cfg.namespace)
-    keys = [s.key for s in KeyMaker.from_config(cfg).keys(prefix)]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (node, len(keys)) in ray.get(controller.best_instances.remote(keys)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the controller never listed node {node[:8]} for the prefix")
-
-
 def test_second_request_goes_to_the_node_holding_the_4k_prefix(
     served: tuple[str, RayKVConfig],
 ) -> None:
@@ -102,7 +88,8 @@ def test_second_request_goes_to_the_node_holding_the_4k_prefix(
     assert len({f["replica"] for _, f in firsts}) == 2, "pow-2 never used the second replica"
     assert len({f["node"] for _, f in firsts}) == 2  # max_replicas_per_node=1
     for prefix, first in firsts:
-        _wait_known(cfg, prefix, first["node"])
+        keys = [s.key for s in KeyMaker.from_config(cfg).keys(prefix)]
+        assert wait_listed(cfg.namespace, keys, first["node"]), "never listed by the controller"
     for prefix, first in firsts:
         out = _post(url, prefix + [rng.randrange(VOCAB) for _ in range(SUFFIX)])
         assert (out["replica"], out["node"]) == (first["replica"], first["node"])
