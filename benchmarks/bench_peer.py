@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._util import Summary, print_table  # noqa: E402
-from raykv.actors.controller import get_or_create_controller  # noqa: E402
+from benchmarks.bench_cluster import MODEL  # noqa: E402  (the same small demo model)
+from raykv.actors.controller import wait_listed  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
@@ -68,15 +69,6 @@ batch objects would save a copy but move whole batches. A local CPU hit after th
 promotion is another 1.8-2.4x faster than the peer hit.
 """
 CHUNK, SUFFIX = 64, 64
-MODEL: dict[str, Any] = {
-    "vocab_size": 4096,
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-}
 BYTES_PER_TOKEN = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * 64 * 4
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 512 * 1024**2}
 
@@ -119,17 +111,6 @@ def _node_with(resource: str) -> str:
     raise RuntimeError(f"no live node offers {resource!r}")
 
 
-def _wait_known(cfg: RayKVConfig, prefix: list[int], node: str) -> None:
-    controller = get_or_create_controller(cfg.namespace)
-    keys = [s.key for s in KeyMaker.from_config(cfg).keys(prefix)]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if (node, len(keys)) in ray.get(controller.best_instances.remote(keys)):
-            return
-        time.sleep(0.05)
-    raise RuntimeError("the controller never listed node A for the prefix")
-
-
 def measure(args: argparse.Namespace, cfg: RayKVConfig) -> dict[int, dict[str, list[float]]]:
     node_a, node_b = _node_with("node_a"), _node_with("node_b")
     on = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)  # noqa: E731
@@ -148,7 +129,9 @@ def measure(args: argparse.Namespace, cfg: RayKVConfig) -> dict[int, dict[str, l
             prefix = prompt(n)
             ray.get(a.generate.remote(prefix + prompt(SUFFIX)))
             ray.get(a.flush.remote())
-            _wait_known(cfg, prefix, node_a)
+            keys = [span.key for span in KeyMaker.from_config(cfg).keys(prefix)]
+            if not wait_listed(cfg.namespace, keys, node_a, 60):
+                raise RuntimeError("the controller never listed node A for the prefix")
             peer = ray.get(b.generate.remote(prefix + prompt(SUFFIX)))
             local = ray.get(b.generate.remote(prefix + prompt(SUFFIX)))
             if peer["hit_tiers"] != {"peer": n} or local["hit_tiers"] != {"cpu": n}:
