@@ -31,6 +31,7 @@ import ray
 
 from raykv import metrics
 from raykv.actors.base import TIER_CPU, ChunkRef
+from raykv.actors.common import HandoutHold
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.policies import make_policy, touch_prefix
@@ -105,6 +106,7 @@ class CPUStore:
         policy_capacity: int | None = None,
         lease_secs: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        on_release: Callable[[Any, int], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -121,6 +123,7 @@ class CPUStore:
         self._closed: dict[str, float] = {}
         self._closed_secs = min(lease_secs, CLOSED_LOOKUP_SECS)
         self._clock = clock
+        self._on_release = on_release  # gets (ref, bytes) of each batch the index lets go
         self.used_bytes = 0  # physical: sum of the sizes of live batches
         self.pinned_bytes = 0  # physical bytes of live batches with a pinned chunk
         self.live_bytes = 0  # sum of the sizes of indexed chunks
@@ -276,6 +279,8 @@ class CPUStore:
             if batch.pins:  # removed while pinned: its bytes are no longer charged
                 self.pinned_bytes -= batch.nbytes
             self.batches -= 1
+            if self._on_release is not None:
+                self._on_release(batch.ref, batch.nbytes)
             batch.ref = None  # the store's reference goes; Ray frees the object
         self.evictions += 1
 
@@ -446,7 +451,10 @@ class CPUStoreActor:
         blocking_timeout_secs: float = 10.0,
         pin_lease_secs: float = 300.0,
     ) -> None:
-        self._store = CPUStore(capacity_bytes, policy, lease_secs=pin_lease_secs)
+        self._hold = HandoutHold()  # refs handed out and dropped here (see HandoutHold)
+        self._store = CPUStore(
+            capacity_bytes, policy, lease_secs=pin_lease_secs, on_release=self._hold.hold
+        )
         self._timeout = blocking_timeout_secs
         self._incarnation = uuid.uuid4().hex
         self._room: asyncio.Event | None = None
@@ -646,8 +654,12 @@ class CPUStoreActor:
         if lookup_id is not None and ack.present:
             store.pin(lookup_id, ack.present)
         cached = store.chunk_refs(keys)
+        served = False
         for i in hits:
             ack.refs[keys[i]] = cached[i] or ChunkRef(arrays_ref, i, metas[i])
+            served = served or cached[i] is None
+        if served:  # handed out, not kept: hold it past the caller's borrow
+            self._hold.hold(arrays_ref, batch_bytes)
         if ack.evicted:
             self._signal_room()
         return self._record(ack)

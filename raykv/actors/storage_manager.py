@@ -51,6 +51,7 @@ from raykv.actors.base import (
     ChunkRef,
     PutAck,
 )
+from raykv.actors.common import HandoutHold
 from raykv.actors.controller import (
     FLUSH_INTERVAL_SECS,
     RESYNC_PERIOD_SECS,
@@ -412,6 +413,7 @@ class StorageManager:
         # The controller and the peer tier (config.enable_controller); instance = node id.
         self._reporter: ControllerReporter | None = None
         self._controller: Any = None
+        self._hold = HandoutHold()
         self._peers: dict[str, Any] = {}  # manager name -> handle
         self._peer_instances: dict[str, str] = {}  # manager name -> instance
         self._name = _scoped(STORAGE_MANAGER_NAME, node_id)
@@ -687,6 +689,8 @@ class StorageManager:
                 ack.missing.append(key)
             else:
                 ack.refs[key] = ChunkRef(arrays_ref, i, meta)
+        if ack.refs:  # handed out, not kept: hold it past the clients' borrow
+            self._hold.hold(arrays_ref, sum(c.meta.nbytes for c in ack.refs.values()))
         return ack
 
     # ----- public API -----

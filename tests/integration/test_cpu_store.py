@@ -156,3 +156,40 @@ def test_too_small_object_store_is_reported():
         assert stats["object_store_ok"] is False
     finally:
         ray.kill(handle)
+
+
+@ray.remote(num_cpus=0)
+class SmallProducer:
+    """Chunks of 8 KiB: a 4-chunk reply is a task return Ray keeps inline (< 100 KiB)."""
+
+    @ray.method(num_returns=2)
+    def get_batch(self, keys):
+        return [meta(8 << 10) for _ in keys], [payload(k, 8 << 10) for k in keys]
+
+
+def _rss_bytes(handle) -> int:
+    pid = int(ray._private.state.actors(handle._actor_id.hex())["Pid"])
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_served_but_not_cached_pulls_do_not_leak_memory() -> None:
+    """Regression: a small reply handed out uncached used to stay in the store's heap
+    forever (Ray 2.60; see `HandoutHold`): +32 KiB a pull, ~47 MiB over this test."""
+    handle = CPUStoreActor.options(num_cpus=0).remote(16 << 10, "lru")  # nothing fits
+    source = SmallProducer.remote()
+    try:
+        ack = ray.get(handle.pull.remote(source, [key(10**6 + i) for i in range(4)]))
+        assert ack.skipped and len(ack.refs) == 4  # served, not cached
+        assert all(a.nbytes == 8 << 10 for a in read(list(ack.refs.values())))
+        before = _rss_bytes(handle)
+        for n in range(1500):
+            keys = [key(n * 4 + i) for i in range(4)]
+            ack = ray.get(handle.pull.remote(source, keys))
+            assert len(ack.refs) == 4 and not ack.accepted
+        grown = _rss_bytes(handle) - before
+        assert grown < 30 << 20, f"CPU store RSS grew {grown / 2**20:.1f} MiB over 1500 pulls"
+    finally:
+        ray.kill(handle)
+        ray.kill(source)
