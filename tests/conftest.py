@@ -72,13 +72,25 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture
-def soak_seconds(request: pytest.FixtureRequest) -> float:
-    """How long the soak runs: --soak-seconds, else $RAYKV_SOAK_SECONDS, else the default."""
-    value = request.config.getoption("--soak-seconds")
+def _soak_seconds(config: pytest.Config) -> float:
+    value = config.getoption("--soak-seconds")
     if value is None:
         value = float(os.environ.get("RAYKV_SOAK_SECONDS", SOAK_SECONDS_DEFAULT))
     return value
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    """How long the soak runs: --soak-seconds, else $RAYKV_SOAK_SECONDS, else the default."""
+    return _soak_seconds(request.config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A longer soak gets a longer pytest-timeout: the soak itself + 5 minutes of set-up."""
+    limit = _soak_seconds(config) + 300
+    for item in items:
+        if item.get_closest_marker("stress") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(max(limit, 300)))
 
 
 _exit_status: dict[str, int] = {}
