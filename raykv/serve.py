@@ -39,6 +39,7 @@ Needs the optional extra: ``pip install "raykv[serve]"``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import random
@@ -196,8 +197,13 @@ def request_tokens(pending: PendingRequest | None) -> Any:
 # ----- routers -----
 
 
-class CacheAwareRouter(FIFOMixin, RequestRouter):
-    """Longest-cached-prefix routing with a power-of-two fallback (see the module docstring)."""
+class CacheAwareRouter(RequestRouter):
+    """Longest-cached-prefix routing with a power-of-two fallback (see the module docstring).
+
+    Not FIFO: Serve's `FIFOMixin` hands a chosen replica to the OLDEST pending request,
+    so under concurrency one request's prefix choice would serve another; without it a
+    choice goes to the request it was made for (matched by internal request id).
+    """
 
     def initialize_state(
         self,
@@ -207,15 +213,15 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         world_size: int = 1,
         worker_id: int = 0,
         kv_dtype: str = "bfloat16",
+        save_unfull_chunk: bool = False,
         imbalance_threshold: int = 4,
         min_match_chunks: int = 1,
         min_match_ratio: float = 0.5,
         history_size: int = DEFAULT_SUMMARY_SIZE,
         namespace: str | None = None,
         use_controller: bool = False,
-        controller_timeout_s: float = 0.5,
+        controller_timeout_s: float = 0.1,
         use_summaries: bool = True,
-        **_: Any,
     ) -> None:
         """Called by Serve with `request_router_kwargs`: the cache's key fields (so the
         router's chunk keys equal the replicas'), its namespace, and the routing knobs."""
@@ -226,6 +232,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             kv_dtype=kv_dtype,
             chunk_size=chunk_size,
             hash_seed=hash_seed,
+            save_unfull_chunk=save_unfull_chunk,
         )
         self._imbalance = imbalance_threshold
         self._min_match = min_match_chunks
@@ -236,6 +243,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         self._controller_timeout = controller_timeout_s
         self._controller: Any = None
         self._controller_retry_at = 0.0
+        self._controller_warned = False
         # What this router sent each replica since it started (immediate, before stats).
         self._routed: dict[Any, PrefixSummary] = {}
         # Reported summaries as sets, cached by the identity of the reported list.
@@ -244,42 +252,35 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         # (asked once per request, even when Serve calls choose_replicas again).
         self._pending: OrderedDict[str, tuple[list[int], dict[str, int]]] = OrderedDict()
 
-    async def _get_controller(self) -> Any:
-        """The KVController handle, looked up off the event loop (None while it is missing)."""
-        if self._controller is None:
-            from raykv.actors.base import CONTROLLER_NAME
-
-            try:
-                self._controller = await asyncio.to_thread(
-                    ray.get_actor, CONTROLLER_NAME, namespace=self._namespace
-                )
-            except Exception:  # not started yet: no cache has reported anything
-                self._controller_retry_at = time.monotonic() + 5.0
-        return self._controller
-
     async def node_matches(self, keys: list[Any]) -> dict[str, int]:
         """{node id: leading chunks of `keys` its tiers hold}, from the KVController.
 
-        Any failure or a reply slower than `controller_timeout_s` gives {} (the
-        summaries still route) and a 5 s pause before the controller is asked again,
-        so a stuck controller costs at most one timeout per pause, not one per request.
+        One actor call per request. A missing controller, an error, or a lookup or reply
+        slower than `controller_timeout_s` gives {} (the summaries still route) and a
+        5 s pause before the controller is asked again, so a stuck controller delays
+        only the requests already waiting on it, never the ones after.
         """
         if not (self._namespace and keys) or time.monotonic() < self._controller_retry_at:
             return {}
-        controller = await self._get_controller()
-        if controller is None:
-            return {}
+        from raykv.actors.base import CONTROLLER_NAME
+
         try:
-            ref = controller.best_instances.remote(keys)
+            if self._controller is None:
+                self._controller = await asyncio.wait_for(
+                    asyncio.to_thread(ray.get_actor, CONTROLLER_NAME, namespace=self._namespace),
+                    self._controller_timeout,
+                )
+            ref = self._controller.best_instances.remote(keys)
             found = await asyncio.wait_for(ref, self._controller_timeout)
-        except asyncio.TimeoutError:  # overloaded: route without it for a while
+            return {str(node): int(n) for node, n in found}
+        except Exception as exc:  # missing, dead, restarting, slow or incompatible
+            if not isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+                self._controller = None  # dead or restarting: look it up again later
+            if not self._controller_warned:
+                self._controller_warned = True
+                logger.warning("routing without the KVController for now: %r", exc)
             self._controller_retry_at = time.monotonic() + 5.0
             return {}
-        except Exception as exc:  # the controller died or restarts: find it again later
-            logger.debug("KVController unavailable for routing: %r", exc)
-            self._controller = None
-            return {}
-        return {str(node): int(n) for node, n in found}
 
     async def _request_state(
         self, pending: PendingRequest | None
@@ -484,6 +485,10 @@ def router_config(
     if router == "random":
         return RequestRouterConfig(request_router_class=RandomRouter)
     if router == "cache_aware":
+        known = set(inspect.signature(CacheAwareRouter.initialize_state).parameters) - {"self"}
+        unknown = sorted(set(options or {}) - known)
+        if unknown:
+            raise InvalidInputError(f"unknown router options {unknown}; known: {sorted(known)}")
         return RequestRouterConfig(
             request_router_class=CacheAwareRouter,
             request_router_kwargs={
@@ -493,6 +498,7 @@ def router_config(
                 "world_size": config.world_size,
                 "worker_id": config.worker_id,
                 "kv_dtype": config.kv_dtype,
+                "save_unfull_chunk": config.save_unfull_chunk,
                 "imbalance_threshold": imbalance_threshold,
                 "namespace": config.namespace,
                 "use_controller": (

@@ -326,14 +326,21 @@ def get_or_create_controller(namespace: str) -> Any:
 def wait_listed(
     namespace: str, keys: Sequence[CacheKey], instance: str, timeout_s: float = 30.0
 ) -> bool:
-    """Block until the controller lists `instance` for all of `keys` (True) or
-    `timeout_s` passes (False). Reports are batched, so a chunk stored a moment ago
-    becomes routable ~FLUSH_INTERVAL_SECS later; tests and benchmarks wait here."""
-    controller = get_or_create_controller(namespace)
+    """Block until the controller of `namespace` lists `instance` for all of `keys`
+    (True) or `timeout_s` passes (False; also when there is no controller). Reports
+    are batched, so a chunk stored a moment ago becomes routable ~FLUSH_INTERVAL_SECS
+    later; tests and benchmarks wait here."""
     deadline = time.monotonic() + timeout_s
+    keys = list(keys)
     while True:
-        if (instance, len(keys)) in ray.get(controller.best_instances.remote(list(keys))):
-            return True
+        left = deadline - time.monotonic()
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+            found = ray.get(controller.best_instances.remote(keys), timeout=max(0.1, left))
+            if (instance, len(keys)) in found:
+                return True
+        except (ValueError, ray.exceptions.RayError):  # not there yet, or restarting
+            pass
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)

@@ -5,16 +5,19 @@ nodes, each with its node's StorageManager (``enable_controller: true``), routed
 The replicas' own prefix summaries are switched off (``use_summaries=False``), so
 only the controller can send a request back to the node that holds its 4096-token
 prefix: by chance that would happen 1 time in 2 per prefix, and the test checks
-several prefixes on both nodes. The second request of each prefix must report the
-whole prefix as a hit from its node's own CPU tier (not a peer fetch)."""
+several prefixes on both nodes, two requests in flight at a time. The second request
+of each prefix must report the whole prefix as a hit from its node's own CPU tier
+(not a peer fetch)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -80,7 +83,7 @@ def test_second_request_goes_to_the_node_holding_the_4k_prefix(
     rng = random.Random(7)
     firsts: list[tuple[list[int], dict[str, Any]]] = []
     # New prefixes until both replicas served some (first requests go by pow-2).
-    while len(firsts) < 8 and (len(firsts) < 3 or len({f["replica"] for _, f in firsts}) < 2):
+    while len(firsts) < 24 and (len(firsts) < 4 or len({f["replica"] for _, f in firsts}) < 2):
         prefix = [rng.randrange(VOCAB) for _ in range(PREFIX)]
         out = _post(url, prefix + [rng.randrange(VOCAB) for _ in range(SUFFIX)])
         assert out["hit_tokens"] == 0
@@ -90,8 +93,16 @@ def test_second_request_goes_to_the_node_holding_the_4k_prefix(
     for prefix, first in firsts:
         keys = [s.key for s in KeyMaker.from_config(cfg).keys(prefix)]
         assert wait_listed(cfg.namespace, keys, first["node"]), "never listed by the controller"
-    for prefix, first in firsts:
-        out = _post(url, prefix + [rng.randrange(VOCAB) for _ in range(SUFFIX)])
+    # Two at a time, alternating replicas where possible: a router that handed one
+    # request's choice to another (Serve's FIFO matching) would cross them over.
+    by_replica: dict[str, list[tuple[list[int], dict[str, Any]]]] = {}
+    for item in firsts:
+        by_replica.setdefault(item[1]["replica"], []).append(item)
+    order = [x for pair in itertools.zip_longest(*by_replica.values()) for x in pair if x]
+    prompts = [p + [rng.randrange(VOCAB) for _ in range(SUFFIX)] for p, _ in order]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = list(pool.map(lambda t: _post(url, t), prompts))
+    for (_, first), out in zip(order, outs, strict=True):
         assert (out["replica"], out["node"]) == (first["replica"], first["node"])
         assert out["hit_tokens"] == PREFIX
         assert out["hit_tiers"] == {"cpu": PREFIX}  # its node's own CPU tier, no peer fetch

@@ -109,10 +109,65 @@ def test_a_missing_or_dead_controller_costs_only_its_signal() -> None:
     assert router._controller is None  # not created by the router, looked up again later
 
     controller = get_or_create_controller(namespace)
-    keys = [s.key for s in KEYS.keys(TOKENS)]
-    ray.get(controller.resync.remote("node-x", 0, {"cpu": keys}, {}))
-    router._controller_retry_at = 0.0  # skip the 5 s pause after the failed lookup
-    assert _choose(router, replicas, TOKENS)[0] == ["a"]
-    ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=namespace), no_restart=True)
+    try:
+        keys = [s.key for s in KEYS.keys(TOKENS)]
+        ray.get(controller.resync.remote("node-x", 0, {"cpu": keys}, {}))
+        router._controller_retry_at = 0.0  # skip the 5 s pause after the failed lookup
+        assert _choose(router, replicas, TOKENS)[0] == ["a"]
+    finally:
+        ray.kill(controller, no_restart=True)
     assert asyncio.run(router.node_matches(keys)) == {}  # dead: {} and a later retry
     assert router._controller is None
+
+
+@ray.remote(num_cpus=0)
+class _StuckController:
+    """Answers `best_instances` after `delay` seconds (an overloaded controller)."""
+
+    def __init__(self, delay: float, warm: list[Any]) -> None:
+        # `warm` (CacheKeys) makes this process import raykv now, as the real
+        # controller does; else the first call's arguments would import it, slowly.
+        self.delay = delay
+        self.calls = 0
+
+    async def best_instances(self, keys: list[Any]) -> list[tuple[str, int]]:
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        return [("node-x", len(keys))]
+
+    def count(self) -> int:
+        return self.calls
+
+
+def test_a_slow_controller_times_out_then_is_left_alone_for_a_while() -> None:
+    namespace = f"router-slow-{uuid.uuid4().hex[:8]}"
+    keys = [s.key for s in KEYS.keys(TOKENS)]
+    stuck = _StuckController.options(name=CONTROLLER_NAME, namespace=namespace).remote(5.0, keys)
+    try:
+        assert ray.get(stuck.count.remote()) == 0
+        router = _router(namespace, controller_timeout_s=0.5)
+        router._controller = stuck  # as if looked up already: time the reply only
+        replicas = [_replica("a", "node-x"), _replica("b", "node-y")]
+        start = time.monotonic()
+        assert sorted(_choose(router, replicas, TOKENS)[0]) == ["a", "b"]
+        assert 0.4 < time.monotonic() - start < 3  # one timeout, not the 5 s reply
+        start = time.monotonic()
+        for _ in range(5):  # within the pause: the controller is not asked at all
+            assert sorted(_choose(router, replicas, TOKENS)[0]) == ["a", "b"]
+        assert time.monotonic() - start < 1
+        assert ray.get(stuck.count.remote()) == 1
+    finally:
+        ray.kill(stuck, no_restart=True)
+
+
+def test_router_options_are_checked_by_name() -> None:
+    from raykv.config import RayKVConfig
+    from raykv.errors import InvalidInputError
+    from raykv.serve import router_config
+
+    cfg = RayKVConfig.load(enable_controller=True)
+    conf = router_config("cache_aware", cfg, options={"controller_timeout_s": 0.2})
+    assert conf.request_router_kwargs["use_controller"] is True
+    assert conf.request_router_kwargs["kv_dtype"] == cfg.kv_dtype
+    with pytest.raises(InvalidInputError, match="controller_timeout"):
+        router_config("cache_aware", cfg, options={"controller_timeout": 0.2})
