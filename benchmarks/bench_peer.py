@@ -69,7 +69,10 @@ batch objects would save a copy but move whole batches. A local CPU hit after th
 promotion is another 1.8-2.4x faster than the peer hit.
 """
 CHUNK, SUFFIX = 64, 64
-BYTES_PER_TOKEN = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * 64 * 4
+# K and V x layers x kv heads x head dim x fp32
+BYTES_PER_TOKEN = (
+    2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
+)
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 512 * 1024**2}
 
 
@@ -180,10 +183,12 @@ def main() -> None:
         ray.init(address=cluster.address, log_to_driver=False)
         results = measure(args, cfg)
     finally:
-        if ray.is_initialized():
-            shutdown_manager(cfg.namespace)
+        try:
+            if ray.is_initialized():
+                shutdown_manager(cfg.namespace)
+        finally:
             ray.shutdown()
-        cluster.shutdown()
+            cluster.shutdown()
     report(results, args)
 
 

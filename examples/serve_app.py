@@ -21,7 +21,8 @@
 # SERVE_DEMO_CACHE_SCOPE=shared|replica, or the same names (model, replicas, ...) under
 # the "args" below; raykv's own RAYKV_* variables configure the cache as usual (e.g.
 # RAYKV_ENABLE_CONTROLLER=true on a multi-node cluster: the router then also asks the
-# KVController which node holds a prompt's prefix).
+# KVController which node holds a prompt's prefix). Variables reach the deployment when
+# `serve run` starts Ray itself; for a running cluster put them in a runtime_env.
 #
 # Why this file looks odd: `serve run PATH` reads an existing file as a YAML Serve
 # config, while `serve run module:app` imports a Python module. This file is both.
