@@ -76,7 +76,9 @@ def fresh_spans(n: int, chunk_tokens: int = 256) -> list[ChunkSpan]:
     """Keys never seen before (a new token sequence each call)."""
     _counter[0] += 1
     base = _counter[0] * 10_000_000
-    return KeyMaker(chunk_size=chunk_tokens).keys(range(base, base + n * chunk_tokens))
+    # uint8 keys for the uint8 payloads of `meta_for`: tiers reject a dtype mismatch.
+    maker = KeyMaker(chunk_size=chunk_tokens, kv_dtype="uint8")
+    return maker.keys(range(base, base + n * chunk_tokens))
 
 
 def meta_for(nbytes: int, tokens: int = 256) -> PayloadMeta:
