@@ -9,12 +9,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `fn` over `repeats` runs after `warmup` unmeasured runs."""
+def median_seconds(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[], object] | None = None,
+) -> float:
+    """Median wall time of `fn` over `repeats` runs after `warmup` unmeasured runs;
+    `setup` (untimed) runs before each measured run."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import Summary, redis_server_class
+from benchmarks._util import Summary, median_seconds, redis_server_class
 from raykv.actors.disk_store import SUFFIX, DiskStore, layout_digest
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, encode
@@ -63,19 +63,6 @@ def chunks(n: int, nbytes: int) -> tuple[PayloadMeta, list[np.ndarray]]:
     return meta, [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
-def median_time(
-    fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
-) -> float:
-    times = []
-    for _ in range(reps):
-        if setup:
-            setup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def paired(
     ours: Callable[[], object],
     base: Callable[[], object],
@@ -86,8 +73,8 @@ def paired(
     """Median times of `ours` and `base`, run alternately so that load drift hits both."""
     a, b = [], []
     for _ in range(reps):
-        a.append(median_time(ours, 1, setup_ours))
-        b.append(median_time(base, 1, setup_base))
+        a.append(median_seconds(ours, 1, warmup=0, setup=setup_ours))
+        b.append(median_seconds(base, 1, warmup=0, setup=setup_base))
     return statistics.median(a), statistics.median(b)
 
 
@@ -211,7 +198,7 @@ def bench_reopen(root: Path, count: int, reps: int) -> None:
     def reopen() -> None:
         stores.append(DiskStore(store_root, 1 << 40, model_name="bench"))
 
-    t = median_time(reopen, reps)
+    t = median_seconds(reopen, reps, warmup=0)
     assert len(stores[-1].keys()) == count
     for s in stores:
         s.close()

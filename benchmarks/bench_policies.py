@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._util import Summary  # noqa: E402
+from benchmarks._util import Summary, median_seconds  # noqa: E402
 from raykv.policies import known_policies, make_policy  # noqa: E402
 
 TITLE = "Eviction policies"
@@ -69,15 +69,6 @@ def zipf_ids(n: int, m: int, alpha: float, seed: int) -> np.ndarray:
     cdf = np.cumsum(weights / weights.sum())
     ranks = np.minimum(np.searchsorted(cdf, rng.random(n)), m - 1)
     return rng.permutation(m).astype(np.uint64)[ranks] + 1
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def libcachesim_runner(ids: np.ndarray, size: int, name: str) -> Callable[[], object] | None:
@@ -191,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     base_run = libcachesim_runner(ids_np, size, "LRU")
-    base = n / median_time(base_run, repeats) if base_run else None
+    base = n / median_seconds(base_run, repeats, warmup=0) if base_run else None
     ct_run = cachetools_runner(ids, size)
-    ct = n / median_time(ct_run, repeats) if ct_run else None
+    ct = n / median_seconds(ct_run, repeats, warmup=0) if ct_run else None
     if base:
         print(f"baseline libCacheSim LRU process_trace: {base / 1e6:6.2f} M req/s")
     if ct:
@@ -203,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     slowest = (float("inf"), "")
     for name in known_policies():
         policy = make_policy(name, size)
-        ours = n / median_time(lambda p=policy: p.simulate(ids), repeats)
+        ours = n / median_seconds(lambda p=policy: p.simulate(ids), repeats, warmup=0)
         same = None
         if name in LCS_NAMES:
             run = libcachesim_runner(ids_np, size, LCS_NAMES[name])
-            same = n / median_time(run, repeats) if run else None
+            same = n / median_seconds(run, repeats, warmup=0) if run else None
         cells = [
             f"{ours / 1e6:12.2f}",
             f"{ours / base:9.2f}x" if base else f"{'-':>10s}",

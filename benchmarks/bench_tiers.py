@@ -41,6 +41,7 @@ import ray  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._util import median_seconds  # noqa: E402
 from raykv.actors.cpu_store import CPUStoreActor  # noqa: E402
 from raykv.actors.storage_manager import (  # noqa: E402
     PackedSpans,
@@ -83,17 +84,6 @@ def fresh_spans(n: int, chunk_tokens: int = 256) -> list[ChunkSpan]:
 
 def meta_for(nbytes: int, tokens: int = 256) -> PayloadMeta:
     return PayloadMeta("uint8", (2, 1, tokens, nbytes // (2 * tokens)))
-
-
-def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def paired_median(fn: Callable[[], object], base: Callable[[], object], reps: int):
@@ -370,7 +360,7 @@ def bench_prefetch(rows: list[dict], tmp: str, total_mib: int, reps: int) -> Non
         for _ in range(reps + 1):
             prefetch()
         t_pf = statistics.median(prefetch.times[1:])
-        t_direct = median_time(direct, reps)
+        t_direct = median_seconds(direct, reps)
         size = n * nbytes
         report(
             rows,
