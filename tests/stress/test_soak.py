@@ -14,8 +14,10 @@ Resource bounds, sampled every second (the peaks are printed):
   baselines 283-293 MiB, growth over 30 s at most +36/+52 MiB (the CPU store; the others
   +5 to +18 MiB), so every bound keeps ~100 MiB of margin.
 * Ray's object store use (the raylet's `object_store_bytes_used`) grows by at most
-  CPU budget + 8 clients x 64 KiB (largest request) x 8 in-flight copies = 5 MiB
-  (measured +2.7 and +1.5 MiB).
+  CPU budget + 8 clients x 64 KiB (largest request) x 8 in-flight copies + the two
+  handout holds (CPU store and manager, 1 MiB each, see `HandoutHold`) = 7 MiB
+  (measured +1.8 MiB without the holds, +3.0 MiB with them; uncapped 2 s holds took
+  +5.7 MiB and failed the old 5 MiB bound in CI).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from soak_workload import CHUNK_BYTES, C, Corpus, Workload, chunk_tensor, wait_u
 
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
+from raykv.actors.common import HANDOUT_HOLD_BYTES
 from raykv.actors.disk_store import SUFFIX, TMP_SUFFIX
 from raykv.actors.storage_manager import shutdown_manager
 
@@ -53,10 +56,14 @@ TIER_RAM = {"StorageManager": 0, "cpu": CPU_BYTES, "disk": DISK_BYTES, "remote":
 # batches in flight, N_CLIENTS x (largest request: 6 doc + 2 suffix chunks) x
 # IN_FLIGHT_COPIES. The copies: a client's put batch (held by the disk and remote writers
 # until written), batches read from disk and Redis on their way up, evicted CPU batches
-# still borrowed by a reader, and Ray's deferred frees. Measured: +1.5 to +2.7 of 5 MiB.
+# still borrowed by a reader, and Ray's deferred frees. Plus what the CPU store's and the
+# manager's `HandoutHold` keep alive after handing it out (capped at HANDOUT_HOLD_BYTES each
+# once older than its minimum hold). Measured: +3.0 of 7 MiB.
 MAX_REQUEST_BYTES = 8 * CHUNK_BYTES
 IN_FLIGHT_COPIES = 8
-STORE_BOUND = CPU_BYTES + N_CLIENTS * MAX_REQUEST_BYTES * IN_FLIGHT_COPIES
+HANDOUT_HOLDERS = 2
+IN_FLIGHT_BYTES = N_CLIENTS * MAX_REQUEST_BYTES * IN_FLIGHT_COPIES
+STORE_BOUND = CPU_BYTES + IN_FLIGHT_BYTES + HANDOUT_HOLDERS * HANDOUT_HOLD_BYTES
 # Disk overshoot allowed while a victim's unlink races another put's write: a few records.
 DISK_SLACK = 16 * (CHUNK_BYTES + 256)
 
@@ -241,7 +248,8 @@ def _resource_report(res: ResourceMonitor) -> str:
         f"  object store   baseline {fmt_mib(p.store_baseline)} peak {fmt_mib(p.store_peak)} "
         f"(+{(p.store_peak - p.store_baseline) / MIB:.2f} MiB) bound +{STORE_BOUND / MIB:.2f} MiB "
         f"= cpu {CPU_BYTES / MIB:.0f} MiB + {N_CLIENTS} clients x "
-        f"{MAX_REQUEST_BYTES // 1024} KiB x {IN_FLIGHT_COPIES}"
+        f"{MAX_REQUEST_BYTES // 1024} KiB x {IN_FLIGHT_COPIES} + {HANDOUT_HOLDERS} holds x "
+        f"{HANDOUT_HOLD_BYTES / MIB:.0f} MiB"
     )
     if p.sample_errors:
         lines.append(f"  sample errors: {p.sample_errors[:3]}")
