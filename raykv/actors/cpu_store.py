@@ -48,6 +48,14 @@ _TYPICAL_CHUNK_BYTES = 1 << 20
 CLOSED_LOOKUP_SECS = 60.0
 
 
+async def _put_own(value: Any, nbytes: int) -> ray.ObjectRef:
+    """`ray.put(value)` in this process (which then owns the object); a big put runs in a
+    thread so the event loop keeps serving meanwhile."""
+    if nbytes >= _THREAD_PUT_BYTES:
+        return await asyncio.to_thread(ray.put, value)
+    return ray.put(value)
+
+
 @dataclass(slots=True)
 class _Batch:
     """One Ray object holding `list[np.ndarray]`; freed when its last live chunk goes."""
@@ -577,10 +585,7 @@ class CPUStoreActor:
             parts = [arrays[todo[k]] for k in taken]
             nbytes = sum(sizes[:n])
             try:
-                if nbytes >= _THREAD_PUT_BYTES:
-                    ref = await asyncio.to_thread(ray.put, parts)
-                else:
-                    ref = ray.put(parts)
+                ref = await _put_own(parts, nbytes)
             except Exception as exc:
                 # Keep the ack: `_allocate` may have evicted entries the caller must drop.
                 logger.warning("put: ray.put of %d bytes failed (%s); not cached", nbytes, exc)
@@ -608,13 +613,23 @@ class CPUStoreActor:
         ack.refs = self._readable(keys)
         return self._record(ack)
 
-    async def pull(self, source: Any, keys: list[CacheKey], lookup_id: str | None = None) -> CPUAck:
+    async def pull(
+        self,
+        source: Any,
+        keys: list[CacheKey],
+        lookup_id: str | None = None,
+        copy: bool = False,
+    ) -> CPUAck:
         """Load `keys` from a tier or producer actor's `get_batch` and keep the object.
 
         The store calls `source.get_batch.options(num_returns=2)` and keeps the second
         return, so it owns the arrays without copying them. Chunks that do not fit
         right now are still returned in `refs` (served, not cached): a read never
         waits for room. A failed source is a miss for every key.
+
+        `copy=True` is for a source on another node (a peer): a task's return lives in
+        the object store of the node that ran it, so the store re-puts what it caches
+        here, and this node's object store holds the bytes its budget counts.
         """
         self._start()
         store = self._store
@@ -634,6 +649,14 @@ class CPUStoreActor:
         batch_bytes = sum(metas[i].nbytes for i in hits)
         new = [i for i in hits if keys[i] not in store]
         ack.present = [keys[i] for i in hits if keys[i] in store]
+        if new and copy:
+            try:
+                arrays_ref = await _put_own(await arrays_ref, batch_bytes)
+            except Exception as exc:
+                logger.warning("pull: copying %d chunks failed (%s); misses", len(hits), exc)
+                ack.missing = list(keys)
+                ack.present = []
+                return ack
         if new:
             n, ack.evicted = await self._allocate([batch_bytes], wait=False)
             if n:

@@ -646,7 +646,7 @@ class StorageManager:
                 ack = await self._read_lower(source, keys)
             else:
                 ack = await asyncio.wait_for(
-                    self._cpu_handle.pull.remote(source, keys, lookup_id),
+                    self._cpu_handle.pull.remote(source, keys, lookup_id, copy=peer is not None),
                     self._pull_timeout,
                 )
         except (asyncio.TimeoutError, TimeoutError):

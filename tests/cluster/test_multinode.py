@@ -9,6 +9,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.experimental import get_object_locations
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.controller import wait_listed
@@ -40,9 +41,9 @@ def _caches(cfg: RayKVConfig, cluster) -> tuple[KVCache, KVCache]:
     return a, b
 
 
-def _prompt(seed: int) -> tuple[list[int], torch.Tensor]:
+def _prompt(seed: int, hidden: int = HIDDEN) -> tuple[list[int], torch.Tensor]:
     tokens = [seed * 1000 + i for i in range(TOKENS)]
-    kv = torch.randn(2, LAYERS, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    kv = torch.randn(2, LAYERS, TOKENS, hidden, generator=torch.Generator().manual_seed(seed))
     return tokens, kv
 
 
@@ -78,7 +79,8 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         for node in (cluster.a, cluster.b):  # one manager and CPU store per node
             assert manager_name(node) in names
             assert f"raykv-cpu-store-{node[:12]}" in names
-        tokens, kv = _prompt(2)
+        # 512 KiB: over Ray's 100 KiB inline limit, so the batch is a plasma object.
+        tokens, kv = _prompt(2, hidden=512)
         assert a.store(tokens, kv) == TOKENS
         _wait_known(cfg, a, tokens, cluster.a)
         assert b.lookup(tokens) == TOKENS
@@ -89,6 +91,11 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         # Promoted into B's CPU tier: the next read is local.
         hit, tiers = b.retrieve(tokens, torch.zeros_like(kv), return_tiers=True)
         assert tiers == {"cpu": TOKENS}
+        # B's copy lives in B's object store (which B's budget counts), not A's.
+        got = ray.get(b._manager.get.remote(b.spans(tokens)), timeout=30)
+        refs = list({c.ref: None for c in got.chunks})
+        nodes = [loc["node_ids"] for loc in get_object_locations(refs, 10_000).values()]
+        assert len(nodes) == len(refs) and all(cluster.b in n and cluster.a not in n for n in nodes)
         stats = b.stats()["tiers"]["peer"]
         assert stats["lookup_hit_chunks"] >= TOKENS // CHUNK
     finally:
