@@ -649,19 +649,19 @@ class CPUStoreActor:
         batch_bytes = sum(metas[i].nbytes for i in hits)
         new = [i for i in hits if keys[i] not in store]
         ack.present = [keys[i] for i in hits if keys[i] in store]
-        if new and copy:
-            try:
-                arrays_ref = await _put_own(await arrays_ref, batch_bytes)
-            except Exception as exc:
-                logger.warning("pull: copying %d chunks failed (%s); misses", len(hits), exc)
-                ack.missing = list(keys)
-                ack.present = []
-                return ack
         if new:
             n, ack.evicted = await self._allocate([batch_bytes], wait=False)
+            own = arrays_ref
+            if n and copy:
+                try:
+                    own = await _put_own(await arrays_ref, batch_bytes)
+                except Exception as exc:  # served from the source's object, not cached
+                    logger.warning("pull: copying %d chunks failed (%s)", len(new), exc)
+                    store.release(batch_bytes)
+                    n = 0
             if n:
                 added = store.commit(
-                    arrays_ref,
+                    own,
                     [keys[i] for i in new],
                     [metas[i] for i in new],
                     new,

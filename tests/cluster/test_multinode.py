@@ -89,8 +89,10 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         assert hit.all() and tiers == {"peer": TOKENS}
         torch.testing.assert_close(out, kv)
         # Promoted into B's CPU tier: the next read is local.
-        hit, tiers = b.retrieve(tokens, torch.zeros_like(kv), return_tiers=True)
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
         assert tiers == {"cpu": TOKENS}
+        torch.testing.assert_close(out, kv)
         # B's copy lives in B's object store (which B's budget counts), not A's.
         got = ray.get(b._manager.get.remote(b.spans(tokens)), timeout=30)
         refs = list({c.ref: None for c in got.chunks})
