@@ -31,7 +31,7 @@ import ray
 
 from raykv import metrics
 from raykv.actors.base import TIER_CPU, ChunkRef
-from raykv.actors.common import HandoutHold
+from raykv.actors.common import INLINE_OBJECT_BYTES, HandoutHold
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.policies import make_policy, touch_prefix
@@ -628,8 +628,9 @@ class CPUStoreActor:
         waits for room. A failed source is a miss for every key.
 
         `copy=True` is for a source on another node (a peer): a task's return lives in
-        the object store of the node that ran it, so the store re-puts what it caches
-        here, and this node's object store holds the bytes its budget counts.
+        the object store of the node that ran it, so the store fetches it and re-puts
+        what it caches, and this node's object store holds the bytes its budget counts.
+        The reply then waits for the transfer (the manager's pull timeout covers it).
         """
         self._start()
         store = self._store
@@ -637,43 +638,48 @@ class CPUStoreActor:
         try:
             metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
             metas = await metas_ref
+            hits = [i for i, m in enumerate(metas) if m is not None]
+            batch_bytes = sum(metas[i].nbytes for i in hits)
+            copy = copy and batch_bytes > INLINE_OBJECT_BYTES  # an inline return is here
+            arrays = await arrays_ref if copy else None
         except Exception as exc:
             logger.warning("pull of %d chunks failed (%s); counted as misses", len(keys), exc)
             ack.missing = list(keys)
             return ack
-        hits = [i for i, m in enumerate(metas) if m is not None]
         ack.missing = [k for k, m in zip(keys, metas, strict=True) if m is None]
         if not hits:
             return ack
-        # The object's physical size covers every hit, cached here or not.
-        batch_bytes = sum(metas[i].nbytes for i in hits)
         new = [i for i in hits if keys[i] not in store]
-        ack.present = [keys[i] for i in hits if keys[i] in store]
+        added: dict[CacheKey, ChunkRef] = {}
         if new:
-            n, ack.evicted = await self._allocate([batch_bytes], wait=False)
-            own = arrays_ref
+            # The source's object counts every hit; a copy holds only the new ones.
+            nbytes = sum(metas[i].nbytes for i in new) if copy else batch_bytes
+            n, ack.evicted = await self._allocate([nbytes], wait=False)
+            own, index, reason = arrays_ref, new, None
             if n and copy:
                 try:
-                    own = await _put_own(await arrays_ref, batch_bytes)
+                    own, index = await _put_own([arrays[i] for i in new], nbytes), range(len(new))
                 except Exception as exc:  # served from the source's object, not cached
-                    logger.warning("pull: copying %d chunks failed (%s)", len(new), exc)
-                    store.release(batch_bytes)
-                    n = 0
+                    store.release(nbytes)
+                    n, reason = 0, f"copying from the source failed: {exc}"
+            del arrays
             if n:
                 added = store.commit(
                     own,
                     [keys[i] for i in new],
                     [metas[i] for i in new],
-                    new,
-                    batch_bytes=batch_bytes,
-                    reserved=batch_bytes,
+                    index,
+                    batch_bytes=nbytes,
+                    reserved=nbytes,
                     lookup_id=lookup_id,
                 )
-                ack.accepted = list(added)
                 if added:
-                    metrics.inc("raykv_stored_bytes", batch_bytes, tier=TIER_CPU)
+                    metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
             else:
-                self._skip(ack, [keys[i] for i in new])
+                self._skip(ack, [keys[i] for i in new], reason)
+        # After the awaits above: what is cached now, by this pull or another request.
+        ack.accepted = list(added)
+        ack.present = [keys[i] for i in hits if keys[i] in store and keys[i] not in added]
         if lookup_id is not None and ack.present:
             store.pin(lookup_id, ack.present)
         cached = store.chunk_refs(keys)

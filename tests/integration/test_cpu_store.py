@@ -109,6 +109,85 @@ def test_pulled_data_is_owned_by_the_store_and_outlives_the_producer(store):
     assert_bytes([key(20), key(21)], ray.get(store.chunk_refs.remote([key(20), key(21)])))
 
 
+def test_a_copying_pull_caches_its_own_copy_of_the_new_chunks_only(store):
+    producer = Producer.remote()
+    try:
+        put(store, [30])
+        keys = [key(30), key(31), key(32)]
+        ack = ray.get(store.pull.remote(producer, keys, "L1", copy=True))
+        assert ack.accepted == [key(31), key(32)] and ack.present == [key(30)]
+        stats = ray.get(store.stats.remote())
+        assert stats["pinned_entries"] == 3 and stats["reserved_bytes"] == 0
+        # The copy holds the two new chunks (2 x 64 KiB charged), not the whole reply.
+        assert stats["used_bytes"] == 3 * NBYTES
+        ray.kill(producer)
+        assert_bytes(keys, ray.get(store.chunk_refs.remote(keys)))
+    finally:
+        ray.kill(producer)
+
+
+class _Fragile:
+    """Pickles once: after one round trip it refuses to be pickled again."""
+
+    def __init__(self) -> None:
+        self.copied = False
+
+    def __getstate__(self) -> dict:
+        if self.copied:
+            raise TypeError("this object cannot be pickled twice")
+        return {"copied": True}
+
+
+class _Unreadable:
+    """Pickles, but cannot be unpickled: a source object nobody can read."""
+
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise RuntimeError("this object cannot be read")
+
+
+@ray.remote(num_cpus=0)
+class OddProducer:
+    """`get_batch` whose metas are fine but whose arrays are `kind` objects."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    @ray.method(num_returns=2)
+    def get_batch(self, keys):
+        cls = _Fragile if self.kind == "fragile" else _Unreadable
+        return [meta() for _ in keys], [cls() for _ in keys]
+
+
+def test_a_copying_pull_whose_source_object_is_unreadable_is_a_miss(store):
+    producer = OddProducer.remote("unreadable")
+    try:
+        keys = [key(40), key(41)]
+        ack = ray.get(store.pull.remote(producer, keys, copy=True))
+        assert ack.missing == keys and not ack.accepted and not ack.refs
+        stats = ray.get(store.stats.remote())
+        assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
+    finally:
+        ray.kill(producer)
+
+
+def test_a_copying_pull_whose_copy_fails_serves_the_source_object_uncached(store):
+    producer = OddProducer.remote("fragile")
+    try:
+        keys = [key(50), key(51)]
+        ack = ray.get(store.pull.remote(producer, keys, copy=True))
+        assert ack.skipped == keys and not ack.accepted and not ack.missing
+        assert set(ack.refs) == set(keys)
+        stats = ray.get(store.stats.remote())
+        assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
+        assert stats["used_bytes"] == 0
+    finally:
+        ray.kill(producer)
+
+
 def test_all_pinned_put_gives_up_after_the_timeout_and_evicts_nothing(store):
     put(store, list(range(8)))
     assert ray.get(store.pin.remote("L", [key(i) for i in range(8)])) == 8
