@@ -290,7 +290,12 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
             ray.get(manager.remove.remote(keys[a:], ["cpu"]))
             ray.get(manager.remove.remote(keys[:a] + keys[b:], ["disk"]))
             ray.get(manager.remove.remote(keys[:b], ["remote"]))
-            assert ray.get(manager.lookup.remote(spans)) == spans[-1].end
+            # Warm-up: on a loaded box the first remote probes can miss their budget.
+            deadline = time.monotonic() + 30
+            while ray.get(manager.lookup.remote(spans)) != spans[-1].end:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"lookup never found all {n} chunks over 3 tiers")
+                time.sleep(0.1)
             packed = PackedSpans.of(spans)
             for form, arg in (("ChunkSpan list", spans), ("PackedSpans", packed)):
                 p50, p99 = percentiles(lambda x=arg: ray.get(manager.lookup.remote(x)), reps)
