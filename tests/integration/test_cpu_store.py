@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -162,30 +163,30 @@ class OddProducer:
         return [meta() for _ in keys], [cls() for _ in keys]
 
 
-def test_a_copying_pull_whose_source_object_is_unreadable_is_a_miss(store):
-    producer = OddProducer.remote("unreadable")
+def _copying_pull(store, kind: str, keys: list[CacheKey]) -> tuple[Any, dict]:
+    """Pull `keys` with copy=True from an `OddProducer(kind)`: (ack, the store's stats)."""
+    producer = OddProducer.remote(kind)
     try:
-        keys = [key(40), key(41)]
         ack = ray.get(store.pull.remote(producer, keys, copy=True))
-        assert ack.missing == keys and not ack.accepted and not ack.refs
-        stats = ray.get(store.stats.remote())
-        assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
+        return ack, ray.get(store.stats.remote())
     finally:
         ray.kill(producer)
+
+
+def test_a_copying_pull_whose_source_object_is_unreadable_is_a_miss(store):
+    keys = [key(40), key(41)]
+    ack, stats = _copying_pull(store, "unreadable", keys)
+    assert ack.missing == keys and not ack.accepted and not ack.refs
+    assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
 
 
 def test_a_copying_pull_whose_copy_fails_serves_the_source_object_uncached(store):
-    producer = OddProducer.remote("fragile")
-    try:
-        keys = [key(50), key(51)]
-        ack = ray.get(store.pull.remote(producer, keys, copy=True))
-        assert ack.skipped == keys and not ack.accepted and not ack.missing
-        assert set(ack.refs) == set(keys)
-        stats = ray.get(store.stats.remote())
-        assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
-        assert stats["used_bytes"] == 0
-    finally:
-        ray.kill(producer)
+    keys = [key(50), key(51)]
+    ack, stats = _copying_pull(store, "fragile", keys)
+    assert ack.skipped == keys and not ack.accepted and not ack.missing
+    assert set(ack.refs) == set(keys)
+    assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
+    assert stats["used_bytes"] == 0
 
 
 def test_all_pinned_put_gives_up_after_the_timeout_and_evicts_nothing(store):
