@@ -74,6 +74,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("ttft", "benchmarks.bench_ttft", 480, 2400),
     Spec("cluster", "benchmarks.bench_cluster", 480, 2400),
     Spec("peer", "benchmarks.bench_peer", 300, 900),
+    Spec("vllm", "benchmarks.bench_vllm", 900, 2400),
 )
 
 

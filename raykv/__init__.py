@@ -18,6 +18,7 @@ from raykv.errors import (
     TierUnavailableError,
 )
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker
+from raykv.model import save_demo_model
 from raykv.payload import PayloadMeta
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ChunkSpan",
     "KeyMaker",
     "PayloadMeta",
+    "save_demo_model",
     "RayKVError",
     "ConfigError",
     "PayloadError",

@@ -94,6 +94,7 @@ class RayKVConfig:
     use_layerwise: bool = False  # GPU connector moves KV layer by layer (overlaps with compute)
     worker_num_gpus: float = 0.0  # GPUs a GPU worker actor reserves (0: CPU-only, as in tests)
     namespace: str = "raykv"  # Ray namespace of the raykv actors; one cache per namespace
+    ray_address: str | None = None  # Ray to attach to when not up in-process; null: $RAY_ADDRESS
     enable_controller: bool = False  # report chunks to the KVController (aware routing, peer tier)
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector, KVBuffers
-from raykv.errors import InvalidInputError, RayKVError
+from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
 
@@ -67,8 +68,13 @@ class KVCache:
         self._keys = KeyMaker.from_config(config)
         self._dtype = getattr(torch, config.kv_dtype)
         self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
-        # Pinned lookups awaiting their retrieve: key of the last pinned chunk -> lookup id.
-        self._pins: OrderedDict[CacheKey, str] = OrderedDict()
+        # Pinned lookups this client named itself (a caller-named one is the caller's to
+        # retrieve or unpin), oldest first: lookup id -> key of its last pinned chunk.
+        self._pins: OrderedDict[str, CacheKey] = OrderedDict()
+        # The same lookups by their last pinned chunk, oldest first: a retrieve without an
+        # id releases one of them (two requests sharing a prefix each hold their own pin,
+        # and each retrieve releases exactly one).
+        self._by_key: dict[CacheKey, deque[str]] = {}
         self._closed = False
 
     # ----- keys and validation -----
@@ -142,6 +148,9 @@ class KVCache:
     def _call(self, method: str, *args: Any, timeout: float | None, default: Any) -> Any:
         if self._closed:
             raise InvalidInputError("this KVCache is closed")
+        if not ray.is_initialized():  # Ray shut down under us: never start a new one here
+            logger.warning("raykv %s: Ray is not initialized; treated as a miss", method)
+            return default
         try:
             return ray.get(getattr(self._manager, method).remote(*args), timeout=timeout)
         except GetTimeoutError:
@@ -184,12 +193,7 @@ class KVCache:
             return 0
         arrays = self._payloads(kv, spans, n_tokens)
         metas = [self._meta(span) for span in spans]
-        batch = [ray.put(arrays)]
-        timeout = self.config.blocking_timeout_secs + _PUT_SLACK_SECS
-        result = self._call("put", self._packed(spans), metas, batch, timeout=timeout, default=None)
-        if result is None:
-            return 0
-        held = result.stored + result.present  # new, or already cached (the first put wins)
+        held = self._put(spans, arrays, metas)
         return sum(s.end - s.start for s in spans[:held])
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:
@@ -200,11 +204,14 @@ class KVCache:
         """How many prefix tokens of `tokens` the cache holds, across all tiers.
 
         With `pin=True` the CPU part stays cached until the `retrieve` of the same
-        tokens (or `unpin`), so it cannot be evicted in between.
+        tokens (or `unpin`), so it cannot be evicted in between. A `lookup_id` chosen by
+        the caller is the caller's to pass to `retrieve`/`get_chunks` or `unpin`; without
+        one, the next retrieve of these tokens (or `close`) releases the pins.
         """
         spans = self.spans(tokens)
         if not spans:
             return 0
+        owned = lookup_id is not None
         if pin and lookup_id is None:
             lookup_id = uuid.uuid4().hex
         hit = int(
@@ -218,14 +225,43 @@ class KVCache:
                 default=0,
             )
         )
-        if pin and hit:
-            # Keyed by the last hit chunk, so a retrieve of any token prefix that ends at or
-            # after it (the whole prompt, or just the hit prefix) finds and releases it.
-            last = max(i for i, s in enumerate(spans) if s.end <= hit)
-            self._pins[spans[last].key] = lookup_id
-            while len(self._pins) > _MAX_OPEN_PINS:
-                self.unpin(self._pins.popitem(last=False)[1])
+        if pin and hit and not owned:  # a caller-named lookup is the caller's to release
+            self._open_pin(lookup_id, self._last_hit_key(spans, hit))
         return hit
+
+    @staticmethod
+    def _last_hit_key(spans: list[ChunkSpan], hit: int) -> CacheKey:
+        return spans[max(i for i, s in enumerate(spans) if s.end <= hit)].key
+
+    def _open_pin(self, lookup_id: str, key: CacheKey) -> None:
+        """Remember a pinned lookup until its retrieve, `unpin` or `close`.
+
+        It is found by its last hit chunk, so a retrieve of any token prefix that ends at
+        or after it (the whole prompt, or the hit prefix) releases it; beyond
+        `_MAX_OPEN_PINS` the oldest is released.
+        """
+        self._pins[lookup_id] = key
+        self._by_key.setdefault(key, deque()).append(lookup_id)
+        while len(self._pins) > _MAX_OPEN_PINS:
+            self.unpin(next(iter(self._pins)), wait=False)
+
+    def _forget_pin(self, lookup_id: str) -> None:
+        key = self._pins.pop(lookup_id, None)
+        ids = self._by_key.get(key) if key is not None else None
+        if ids:
+            ids.remove(lookup_id)
+            if not ids:
+                del self._by_key[key]
+
+    def _pin_for(self, spans: list[ChunkSpan]) -> str | None:
+        """The oldest open lookup (named by this client) whose last chunk is in `spans`."""
+        for span in reversed(spans):
+            ids = self._by_key.get(span.key)
+            if ids:
+                lookup_id = ids[0]
+                self._forget_pin(lookup_id)
+                return lookup_id
+        return None
 
     def prefetch(self, tokens: Any) -> str:
         """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
@@ -252,9 +288,23 @@ class KVCache:
         outer = None if timeout is None else timeout + self._lookup_timeout
         return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
 
-    def unpin(self, lookup_id: str) -> None:
-        """Release the pins of a lookup or prefetch without retrieving."""
-        self._call("unpin", lookup_id, timeout=self._lookup_timeout, default=None)
+    def unpin(self, lookup_id: str, wait: bool = True) -> None:
+        """Release the pins of a lookup or prefetch without retrieving.
+
+        With `wait=False` the request is sent and not waited for (a scheduler's hot path).
+        """
+        self._forget_pin(lookup_id)
+        if wait:
+            self._call("unpin", lookup_id, timeout=self._lookup_timeout, default=None)
+            return
+        if self._closed:
+            raise InvalidInputError("this KVCache is closed")
+        if not ray.is_initialized():
+            return
+        try:
+            self._manager.unpin.remote(lookup_id)
+        except RayError as exc:
+            logger.warning("raykv unpin failed (%s); the pin lease ends it", type(exc).__name__)
 
     def retrieve(
         self,
@@ -288,17 +338,31 @@ class KVCache:
     def _fetch(
         self, tokens: Any, mask: Any, lookup_id: str | None
     ) -> tuple[list[tuple[ChunkSpan, torch.Tensor]], list[str]]:
-        """One manager call for the prefix's chunk refs, one `ray.get` of their batches.
+        """The cached prefix of `tokens` as `KV_2LTD` tensors, and the tier each came from."""
+        if lookup_id is None and mask is not None:  # the pin may be on a masked-out chunk
+            lookup_id = self._pin_for(self.spans(tokens))
+        chunks, tiers = self.get_chunks(self.spans(tokens, mask), lookup_id)
+        out = self._materialise(chunks)
+        return out, tiers[: len(out)]
 
-        Returns the chunks with their tensors, and the tier each was found in."""
-        spans = self.spans(tokens, mask)
+    def get_chunks(
+        self, spans: list[ChunkSpan], lookup_id: str | None = None
+    ) -> tuple[list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], list[str]]:
+        """The raw payloads of the longest cached prefix of `spans`, and their tiers.
+
+        One manager call for the chunk refs and one `ray.get` of their batches. Each
+        payload is a read-only flat `uint8` array with its `PayloadMeta`, in whatever
+        layout it was stored (`put_chunks`). Releases the pins of `lookup_id` (or of
+        this client's own pinned lookup of the same prefix). A fault is a shorter prefix.
+        """
         if not spans:
+            if lookup_id is not None:
+                self.unpin(lookup_id, wait=False)
             return [], []
-        if lookup_id is None and self._pins:
-            for span in reversed(spans):
-                lookup_id = self._pins.pop(span.key, None)
-                if lookup_id is not None:
-                    break
+        if lookup_id is None:
+            lookup_id = self._pin_for(spans)
+        else:
+            self._forget_pin(lookup_id)
         packed = self._packed(spans)
         for check_cpu in (False, True):
             result = self._call(
@@ -311,22 +375,27 @@ class KVCache:
             )
             if result is None or not result.chunks:
                 return [], []
+            refs = list({c.ref: None for c in result.chunks})
             try:
-                return self._materialise(spans, result.chunks), list(result.tiers)
+                got = ray.get(refs, timeout=self._lookup_timeout * 4)
             except RayError as exc:
                 # The CPUStore restarted since the manager indexed these refs: ask again.
                 logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
                 lookup_id = None
+                continue
+            values = dict(zip(refs, got, strict=True))
+            chunks = [
+                (span, values[c.ref][c.index], c.meta)
+                for span, c in zip(spans, result.chunks, strict=False)
+            ]
+            return chunks, list(result.tiers)
         return [], []
 
     def _materialise(
-        self, spans: list[ChunkSpan], chunks: list[Any]
+        self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]]
     ) -> list[tuple[ChunkSpan, torch.Tensor]]:
-        refs = list({c.ref: None for c in chunks})
-        values = dict(zip(refs, ray.get(refs, timeout=self._lookup_timeout * 4), strict=True))
         out = []
-        for span, chunk in zip(spans, chunks, strict=False):
-            meta = chunk.meta
+        for span, buf, meta in chunks:
             num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
             expected = PayloadMeta(
                 self.config.kv_dtype, (2, num_layers, span.end - span.start, hidden)
@@ -343,8 +412,51 @@ class KVCache:
                     self.config.model_name,
                 )
                 break
-            out.append((span, buffer_to_tensor(values[chunk.ref][chunk.index], meta)))
+            out.append((span, buffer_to_tensor(buf, meta)))
         return out
+
+    def put_chunks(
+        self, spans: list[ChunkSpan], buffers: list[np.ndarray], metas: list[PayloadMeta]
+    ) -> int:
+        """Store raw payloads, one per span, in every tier; returns how many CPU now holds.
+
+        For engines that keep their own layout (e.g. whole vLLM pages, `PAGES`): the
+        payloads are flat `uint8` arrays, stored as they are, in one `ray.put` and one
+        manager call. The first put of a key wins.
+        """
+        if not (len(spans) == len(buffers) == len(metas)):
+            raise InvalidInputError(
+                f"got {len(spans)} spans, {len(buffers)} buffers and {len(metas)} metas; "
+                "need one buffer and one meta per span"
+            )
+        for j, (buf, meta) in enumerate(zip(buffers, metas, strict=True)):
+            if not isinstance(meta, PayloadMeta) or meta.dtype != self.config.kv_dtype:
+                raise InvalidInputError(
+                    f"payload {j}: meta {meta!r} must be a PayloadMeta of dtype "
+                    f"{self.config.kv_dtype} (config kv_dtype)"
+                )
+            flat = isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
+            if not flat or buf.nbytes != meta.nbytes:
+                raise InvalidInputError(
+                    f"payload {j} must be a flat uint8 numpy array of {meta.nbytes} bytes"
+                )
+        return self._put(spans, list(buffers), metas) if spans else 0
+
+    def _put(
+        self, spans: list[ChunkSpan], arrays: list[np.ndarray], metas: list[PayloadMeta]
+    ) -> int:
+        """One `ray.put` of the request's payloads, one manager call; chunks CPU now holds."""
+        if not ray.is_initialized():  # Ray shut down under us: never start a new one here
+            return 0
+        try:
+            batch = [ray.put(arrays)]
+        except RayError as exc:  # object store full or Ray going away: the chunks are not cached
+            logger.warning("raykv put failed (%s): chunks not cached", type(exc).__name__)
+            return 0
+        timeout = self.config.blocking_timeout_secs + _PUT_SLACK_SECS
+        result = self._call("put", self._packed(spans), metas, batch, timeout=timeout, default=None)
+        # New, or already cached (the first put wins).
+        return 0 if result is None else result.stored + result.present
 
     def _check_destination(self, destination: torch.Tensor | KVTarget, n_tokens: int) -> None:
         """Validate where KV will be written; fixes this client's layout if not yet known."""
@@ -436,9 +548,10 @@ class KVCache:
         """Release this client's pins; the shared cache itself keeps running."""
         if self._closed:
             return
-        for lookup_id in list(self._pins.values()):
+        for lookup_id in list(self._pins):
             self.unpin(lookup_id)
         self._pins.clear()
+        self._by_key.clear()
         self._closed = True
 
     def __enter__(self) -> KVCache:
@@ -448,11 +561,31 @@ class KVCache:
         self.close()
 
 
+def attach_ray(address: str | None = None) -> None:
+    """Attach this process to Ray by explicit address, unless it already is.
+
+    `address` (else `$RAY_ADDRESS`) names the cluster: `auto`, `HOST:PORT`, or `local`
+    for a private instance. With neither, raise: a bare `ray.init()` would start a
+    second cluster, or join whichever one happens to run on the machine.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        raise ConfigError(
+            "Ray is not initialized in this process and no Ray address is given: call "
+            "ray.init(...) first (address='local' starts a private instance), or set "
+            "ray_address (RAYKV_RAY_ADDRESS) or RAY_ADDRESS to the cluster to attach to"
+        )
+    ray.init(address=address, log_to_driver=False)
+
+
 def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
     """Attach to (or create) the raykv actors of the current Ray cluster and namespace.
 
     `config` defaults to `RayKVConfig.load()` (defaults < YAML file < `RAYKV_*` env);
-    keyword `overrides` win over all of them. Starts a local Ray if none is running.
+    keyword `overrides` win over all of them. If Ray is not up in this process, attaches to
+    `ray_address` (else `$RAY_ADDRESS`) and raises `ConfigError` when neither is set.
     With `enable_controller: true` the client attaches to the manager of the node it
     runs on (one cache instance per node, peers of each other through the controller);
     otherwise to the namespace's one cluster-wide manager.
@@ -463,8 +596,7 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
         config = RayKVConfig.load(**overrides)
     elif overrides:
         config = config.replace(**overrides)
-    if not ray.is_initialized():
-        ray.init()
+    attach_ray(config.ray_address)
     node_id = ray.get_runtime_context().get_node_id() if config.enable_controller else None
     kv = KVCache(config, get_or_create_manager(config, node_id))
     # Wait for the actors to be up (seconds on first use), so the first request is not slow.

@@ -12,6 +12,7 @@ Needs the optional dependency: `pip install "raykv[demo]"` (transformers).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,18 @@ def build_demo_model(
         torch.manual_seed(seed)
         model = tf.LlamaForCausalLM(config)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def save_demo_model(directory: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
+    """Save a seeded random demo Llama in Hugging Face format; returns the directory.
+
+    For engines that load a model from disk (vLLM): nothing is downloaded. Weights are
+    drawn with `initializer_range` 0.2 (unless overridden) so the logits are peaked
+    rather than flat, and a changed KV changes the greedy tokens.
+    """
+    model = build_demo_model(seed, **{"initializer_range": 0.2, **overrides})
+    model.save_pretrained(directory)
+    return os.fspath(directory)
 
 
 def kv_geometry(model_or_config: Any) -> tuple[int, int, int]:

@@ -28,6 +28,11 @@ from raykv.errors import PayloadError
 MAGIC = b"RKVC"
 VERSION = 1
 LAYOUT_KV_2LTD = "KV_2LTD"  # [2 (K,V), num_layers, num_tokens, num_kv_heads * head_dim]
+# Whole engine pages, opaque: [num_layers, num_blocks, *one block of one layer]. The block
+# interior is whatever the engine's attention backend keeps (e.g. vLLM's CPU backend packs
+# K per instruction set), so such a payload is only ever copied back block for block into
+# the same layout; the key's layout fingerprint keeps it away from any other.
+LAYOUT_PAGES = "PAGES"
 MAX_NDIM = 8
 MAX_KEY_BYTES = 1024
 MAX_PAYLOAD_BYTES = 1 << 36  # 64 GiB: anything larger is a corrupt or hostile header
@@ -54,7 +59,7 @@ _DTYPE_NAMES = (
 )
 DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES) if hasattr(torch, name)}
 _DTYPE_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
-_LAYOUT_CODES = {LAYOUT_KV_2LTD: 0, "RAW": 1}
+_LAYOUT_CODES = {LAYOUT_KV_2LTD: 0, "RAW": 1, LAYOUT_PAGES: 2}
 _LAYOUT_BY_CODE = {code: name for name, code in _LAYOUT_CODES.items()}
 # Serdes by name; the code is recorded in every header. "naive" is LMCache's name for raw.
 SERDE_CODES = {"raw": 0, "naive": 0}
@@ -87,6 +92,10 @@ class PayloadMeta:
         if self.layout == LAYOUT_KV_2LTD and (len(shape) != 4 or shape[0] != 2):
             raise PayloadError(
                 f"layout KV_2LTD needs shape [2, num_layers, num_tokens, hidden], got {list(shape)}"
+            )
+        if self.layout == LAYOUT_PAGES and len(shape) < 3:
+            raise PayloadError(
+                f"layout PAGES needs shape [num_layers, num_blocks, *block], got {list(shape)}"
             )
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
 

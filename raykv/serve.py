@@ -186,12 +186,18 @@ def rank_by_prefix(
 
 
 def request_tokens(pending: PendingRequest | None) -> Any:
-    """The prompt tokens of a `KVModelServer.generate` call (first arg or `tokens=`)."""
+    """The prompt tokens of a request: a `KVModelServer.generate` call (first arg or
+    `tokens=`), or a Ray Serve LLM (`LLMServer`) OpenAI completion request whose `prompt`
+    is token ids. None (route by load) for a text prompt: the router has no tokenizer."""
     if pending is None:
         return None
-    if pending.args:
-        return pending.args[0]
-    return pending.kwargs.get("tokens")
+    arg = pending.args[0] if pending.args else pending.kwargs.get("tokens")
+    prompt = getattr(arg, "prompt", None)
+    if prompt is None:
+        return arg
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None
 
 
 # ----- routers -----

@@ -97,3 +97,21 @@ def test_tiebreak_keeps_the_best_among_equal_matches() -> None:
     busy = {"b": 9, "a": 0, "c": 0}
     ranks = rank_by_prefix([1] * 4, ["a", "b", "c"], matches, busy, tiebreak={"b": 4, "c": 9})
     assert ranks[0] == ["a"]
+
+
+def test_request_tokens_reads_demo_calls_and_serve_llm_completion_requests() -> None:
+    from types import SimpleNamespace
+
+    from raykv.serve import request_tokens
+
+    def pending(*args, **kwargs):
+        return SimpleNamespace(args=args, kwargs=kwargs)
+
+    assert request_tokens(pending([1, 2, 3], 4)) == [1, 2, 3]  # KVModelServer.generate
+    assert request_tokens(pending(tokens=[5, 6])) == [5, 6]
+    # Ray Serve LLM hands LLMServer an OpenAI completion request: its token-id prompt.
+    assert request_tokens(pending(SimpleNamespace(prompt=[7, 8, 9], model="m"))) == [7, 8, 9]
+    # A text prompt (no tokenizer here) or a batch of prompts routes by load alone.
+    assert request_tokens(pending(SimpleNamespace(prompt="hello"))) is None
+    assert request_tokens(pending(SimpleNamespace(prompt=[[1, 2], [3]]))) is None
+    assert request_tokens(None) is None

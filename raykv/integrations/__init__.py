@@ -1,0 +1,1 @@
+"""Serving-engine integrations (vLLM first). Each module imports its engine lazily."""

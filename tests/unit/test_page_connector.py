@@ -1,0 +1,347 @@
+"""`PageConnector`: whole KV blocks between per-layer caches and flat `PAGES` payloads.
+
+Bit-exact round trips (float32, float16, bfloat16), strided per-layer views, partial
+loads (`first`), copy semantics of `save`, input validation, read-only buffers (as Ray's
+object store hands out), CUDA caches when present, and the `PAGES` layout in the codec.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raykv.connector import PageConnector
+from raykv.errors import InvalidInputError, PayloadError
+from raykv.payload import LAYOUT_PAGES, PayloadMeta, decode, encode
+
+NUM_LAYERS = 3
+NUM_BLOCKS = 8
+BLOCK = (2, 4, 6)  # num_kv_heads, block_size, 2 * head_size
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor of arbitrary bit patterns (NaNs and infinities included): copies must be
+    bytewise, not value-wise, to reproduce it."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (for bit-for-bit comparisons, NaNs included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def make_cache(
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    num_blocks: int = NUM_BLOCKS,
+    num_layers: int = NUM_LAYERS,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    return [
+        random_bits((num_blocks, *BLOCK), dtype, seed * 100 + i).to(device)
+        for i in range(num_layers)
+    ]
+
+
+def snapshot(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().cpu().clone() for t in layers]
+
+
+# ----- round trips -----
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_save_then_load_into_other_blocks_reproduces_them_bit_for_bit(dtype):
+    src = make_cache(dtype, seed=1)
+    dst = make_cache(dtype, seed=2, num_blocks=NUM_BLOCKS + 2)
+    before = snapshot(dst)
+    src_ids, dst_ids = [5, 1, 6], [0, 9, 3]
+
+    buf, meta = PageConnector(src).save(src_ids)
+    assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
+    assert buf.nbytes == meta.nbytes
+    PageConnector(dst).load(buf, meta, dst_ids)
+
+    untouched = [b for b in range(NUM_BLOCKS + 2) if b not in dst_ids]
+    for layer in range(NUM_LAYERS):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert same_bits(dst[layer][d], src[layer][s]), (layer, s, d)
+        assert same_bits(dst[layer][untouched], before[layer][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_payload_meta_is_layers_by_blocks_by_block_shape(dtype):
+    conn = PageConnector(make_cache(dtype))
+    buf, meta = conn.save([2, 3])
+    name = str(dtype).removeprefix("torch.")
+    assert meta == PayloadMeta(name, (NUM_LAYERS, 2, *BLOCK), LAYOUT_PAGES)
+    assert meta.shape == (NUM_LAYERS, 2, *BLOCK)
+    assert meta.layout == LAYOUT_PAGES and meta.dtype == name
+    assert conn.meta(2) == meta
+    assert buf.nbytes == NUM_LAYERS * 2 * int(np.prod(BLOCK)) * dtype.itemsize
+    # The payload is exactly the stacked blocks, layer-major.
+    cache = conn.layers
+    expected = torch.stack([layer[[2, 3]] for layer in cache])
+    assert same_bits(torch.from_numpy(buf).view(dtype).reshape(meta.shape), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_views_of_one_big_tensor_work_and_touch_nothing_else(dtype):
+    # One allocation [num_blocks, num_layers, *block]; every layer is a non-contiguous view.
+    big_src = random_bits((NUM_BLOCKS, NUM_LAYERS, *BLOCK), dtype, 11)
+    big_dst = random_bits((NUM_BLOCKS, NUM_LAYERS, *BLOCK), dtype, 12)
+    src = [big_src[:, i] for i in range(NUM_LAYERS)]
+    dst = [big_dst[:, i] for i in range(NUM_LAYERS)]
+    assert not any(t.is_contiguous() for t in src + dst)
+    src_before, dst_before = big_src.clone(), big_dst.clone()
+
+    buf, meta = PageConnector(src).save([7, 0])
+    assert torch.equal(bits(big_src), bits(src_before))  # save does not write the cache
+    expected = torch.stack([big_src[[7, 0], i] for i in range(NUM_LAYERS)])
+    assert same_bits(torch.from_numpy(buf).view(dtype).reshape(meta.shape), expected)
+
+    PageConnector(dst).load(buf, meta, [2, 4])
+    want = dst_before.clone()
+    want[2] = src_before[7]
+    want[4] = src_before[0]
+    assert same_bits(big_dst, want)  # blocks 2 and 4 of every layer, nothing else
+
+
+def test_views_of_one_layer_of_a_bigger_cache_leave_other_layers_alone():
+    # Only some layers of a [num_blocks, 4, *block] allocation are handed over: the others,
+    # interleaved in memory with them, must stay as they were.
+    big = random_bits((NUM_BLOCKS, 4, *BLOCK), torch.float16, 21)
+    src = make_cache(torch.float16, seed=22, num_layers=2)
+    buf, meta = PageConnector(src).save([1, 2, 3])
+    before = big.clone()
+    PageConnector([big[:, 1], big[:, 3]]).load(buf, meta, [6, 0, 5])
+    assert same_bits(big[:, 0], before[:, 0]) and same_bits(big[:, 2], before[:, 2])
+    for layer, view in enumerate((big[:, 1], big[:, 3])):
+        assert same_bits(view[[6, 0, 5]], src[layer][[1, 2, 3]])
+        assert same_bits(view[[1, 2, 3, 4, 7]], before[:, 2 * layer + 1][[1, 2, 3, 4, 7]])
+
+
+def test_load_with_first_copies_only_payload_blocks_from_first_on():
+    src = make_cache(torch.float32, seed=3)
+    buf, meta = PageConnector(src).save([0, 1, 2, 3])
+    dst = make_cache(torch.float32, seed=4)
+    before = snapshot(dst)
+    PageConnector(dst).load(buf, meta, [6, 7], first=2)
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer][6], src[layer][2])
+        assert same_bits(dst[layer][7], src[layer][3])
+        assert same_bits(dst[layer][:6], before[layer][:6])
+
+    dst = make_cache(torch.float32, seed=5)
+    PageConnector(dst).load(buf, meta, [4], first=1)
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer][4], src[layer][1])
+
+
+def test_save_returns_a_copy_not_a_view_of_the_cache():
+    cache = make_cache(torch.float16, seed=6)
+    conn = PageConnector(cache)
+    buf, meta = conn.save([0, 4])
+    saved = buf.copy()
+    for layer in cache:
+        layer.fill_(7.0)  # the engine reuses the blocks as soon as save returns
+    assert np.array_equal(buf, saved)
+    buf2, _ = conn.save([0, 4])
+    assert not np.array_equal(buf2, saved)  # the cache really did change
+    buf2[:] = 0  # and writing a payload does not write the cache
+    assert all(bool((layer == 7.0).all()) for layer in cache)
+
+
+def test_block_ids_may_be_a_numpy_array_or_a_tensor():
+    cache = make_cache(torch.float16, seed=7)
+    conn = PageConnector(cache)
+    ref, _ = conn.save([3, 5])
+    for ids in (np.array([3, 5]), torch.tensor([3, 5]), (3, 5), range(3, 6, 2)):
+        assert np.array_equal(conn.save(ids)[0], ref)
+
+
+def test_a_read_only_buffer_loads_fine():
+    src = make_cache(torch.bfloat16, seed=8)
+    buf, meta = PageConnector(src).save([1, 2])
+    buf.setflags(write=False)  # as Ray's object store hands out
+    dst = make_cache(torch.bfloat16, seed=9)
+    PageConnector(dst).load(buf, meta, [3, 0])
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer][[3, 0]], src[layer][[1, 2]])
+    # Also bytes-like buffers that are not numpy arrays.
+    dst = make_cache(torch.bfloat16, seed=10)
+    PageConnector(dst).load(bytes(buf), meta, [5, 6])
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer][[5, 6]], src[layer][[1, 2]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none available)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_on_a_cuda_cache(dtype):
+    src = make_cache(dtype, seed=31, device="cuda")
+    big = random_bits((NUM_BLOCKS, NUM_LAYERS, *BLOCK), dtype, 32).cuda()
+    dst = [big[:, i] for i in range(NUM_LAYERS)]  # strided views on the device
+    before = big.cpu()
+
+    conn = PageConnector(src)
+    assert conn.device.type == "cuda"
+    buf, meta = conn.save([4, 2, 7])
+    assert isinstance(buf, np.ndarray) and buf.nbytes == meta.nbytes
+    buf.setflags(write=False)
+    PageConnector(dst).load(buf, meta, [0, 5], first=1)
+    torch.cuda.synchronize()
+
+    want = before.clone()
+    for layer in range(NUM_LAYERS):
+        want[0, layer] = src[layer][2].cpu()
+        want[5, layer] = src[layer][7].cpu()
+    assert same_bits(big.cpu(), want)
+
+
+# ----- validation -----
+
+
+def test_an_empty_layer_list_is_rejected():
+    with pytest.raises(InvalidInputError, match="non-empty list"):
+        PageConnector([])
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        [torch.zeros(4)],  # no block dim + block interior
+        ["not a tensor"],
+        [np.zeros((4, 2), dtype=np.float16)],
+    ],
+    ids=["1-d", "str", "numpy"],
+)
+def test_layers_that_are_not_block_tensors_are_rejected(layers):
+    with pytest.raises(InvalidInputError, match="KV cache tensors"):
+        PageConnector(layers)
+
+
+def test_layers_of_different_shapes_are_rejected():
+    layers = make_cache(torch.float16)
+    layers[1] = torch.zeros(NUM_BLOCKS + 1, *BLOCK, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match=r"layer 1 is .*every layer must match layer 0"):
+        PageConnector(layers)
+    layers[1] = torch.zeros(NUM_BLOCKS, 2, 4, 7, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match="layer 1"):
+        PageConnector(layers)
+
+
+def test_layers_of_different_dtypes_are_rejected():
+    layers = make_cache(torch.float16)
+    layers[2] = layers[2].to(torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=r"layer 2 is torch\.bfloat16.*torch\.float16"):
+        PageConnector(layers)
+
+
+@pytest.mark.parametrize("ids", [[NUM_BLOCKS], [0, -1], [1, NUM_BLOCKS + 5]])
+def test_out_of_range_block_ids_are_rejected_by_save_and_load(ids):
+    conn = PageConnector(make_cache(torch.float16))
+    with pytest.raises(InvalidInputError, match=rf"block ids must lie in \[0, {NUM_BLOCKS}\)"):
+        conn.save(ids)
+    buf, meta = conn.save(list(range(len(ids))))
+    before = snapshot(conn.layers)
+    with pytest.raises(InvalidInputError, match="block ids must lie in"):
+        conn.load(buf, meta, ids)
+    assert all(same_bits(a, b) for a, b in zip(conn.layers, before, strict=True))
+
+
+def test_an_empty_block_id_list_is_rejected_by_save_and_load():
+    conn = PageConnector(make_cache(torch.float16))
+    with pytest.raises(InvalidInputError, match="non-empty list of ints"):
+        conn.save([])
+    buf, meta = conn.save([0])
+    with pytest.raises(InvalidInputError, match="non-empty list of ints"):
+        conn.load(buf, meta, [])
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"dtype": torch.bfloat16},
+        {"num_layers": NUM_LAYERS - 1},
+        {"num_layers": NUM_LAYERS + 1},
+    ],
+    ids=["dtype", "fewer-layers", "more-layers"],
+)
+def test_a_payload_of_another_dtype_or_layer_count_is_rejected(other):
+    src = make_cache(other.get("dtype", torch.float16), num_layers=other.get("num_layers", 3))
+    buf, meta = PageConnector(src).save([0, 1])
+    dst = PageConnector(make_cache(torch.float16, seed=5))
+    before = snapshot(dst.layers)
+    with pytest.raises(InvalidInputError, match="does not fit this cache"):
+        dst.load(buf, meta, [2, 3])
+    assert all(same_bits(a, b) for a, b in zip(dst.layers, before, strict=True))
+
+
+def test_a_payload_of_another_block_shape_or_layout_is_rejected():
+    dst = PageConnector(make_cache(torch.float16))
+    other = [torch.zeros(NUM_BLOCKS, 2, 4, 3, dtype=torch.float16) for _ in range(NUM_LAYERS)]
+    buf, meta = PageConnector(other).save([0])
+    with pytest.raises(InvalidInputError, match="does not fit this cache"):
+        dst.load(buf, meta, [0])
+    # Same bytes, same element count, another block shape.
+    buf, meta = dst.save([0, 1])
+    reshaped = PayloadMeta(meta.dtype, (NUM_LAYERS, 1, 2, *BLOCK), LAYOUT_PAGES)
+    assert reshaped.nbytes == meta.nbytes
+    with pytest.raises(InvalidInputError, match="does not fit this cache"):
+        dst.load(buf, reshaped, [0])
+    # A KV_2LTD payload is never copied into pages.
+    kv_meta = PayloadMeta("float16", (2, NUM_LAYERS, 8, 6))
+    with pytest.raises(InvalidInputError, match="does not fit this cache"):
+        dst.load(np.zeros(kv_meta.nbytes, dtype=np.uint8), kv_meta, [0])
+
+
+@pytest.mark.parametrize(("first", "n_ids"), [(-1, 1), (3, 2), (4, 1), (0, 5), (10, 1)])
+def test_first_out_of_range_is_rejected(first, n_ids):
+    conn = PageConnector(make_cache(torch.float16))
+    buf, meta = conn.save([0, 1, 2, 3])
+    before = snapshot(conn.layers)
+    with pytest.raises(InvalidInputError, match="out of range: it has 4"):
+        conn.load(buf, meta, list(range(n_ids)), first=first)
+    assert all(same_bits(a, b) for a, b in zip(conn.layers, before, strict=True))
+
+
+def test_a_buffer_shorter_than_its_meta_is_rejected():
+    conn = PageConnector(make_cache(torch.float16))
+    buf, meta = conn.save([0, 1])
+    with pytest.raises((InvalidInputError, PayloadError), match="bytes"):
+        conn.load(buf[:-2], meta, [2, 3])
+
+
+# ----- the PAGES layout in PayloadMeta and the codec -----
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (3, 2)])
+def test_pages_meta_needs_at_least_three_dims(shape):
+    with pytest.raises(PayloadError, match="PAGES needs shape"):
+        PayloadMeta("float16", shape, LAYOUT_PAGES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pages_payload_round_trips_through_the_codec(dtype):
+    buf, meta = PageConnector(make_cache(dtype, seed=41)).save([6, 3, 0])
+    blob = encode(buf, meta, key="some-key")
+    out = decode(blob, expected_key="some-key", expected_dtype=meta.dtype)
+    assert out.meta == meta and out.meta.layout == LAYOUT_PAGES
+    assert out.meta.shape == (NUM_LAYERS, 3, *BLOCK)
+    assert out.key == "some-key"
+    assert np.array_equal(out.data, buf)
+    # What comes back loads into a cache like the original payload.
+    dst = make_cache(dtype, seed=42)
+    PageConnector(dst).load(out.data, out.meta, [1, 2, 3])
+    src = make_cache(dtype, seed=41)
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer][[1, 2, 3]], src[layer][[6, 3, 0]])

