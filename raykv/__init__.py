@@ -1,45 +1,67 @@
 """raykv: a tiered KV cache for LLM serving, built on Ray.
 
-Only the names in `__all__` are public; everything else may change.
+Only the names in `__all__` are public; everything else may change. Attributes load on
+first use, so `import raykv` (and `raykv --version`) imports neither torch nor ray.
 """
 
 from __future__ import annotations
 
-from raykv.actors.gpu_worker import create_gpu_worker
-from raykv.config import RayKVConfig
-from raykv.connector import GPUConnector
-from raykv.engine import KVCache, KVTarget, connect
-from raykv.errors import (
-    ConfigError,
-    InvalidInputError,
-    PayloadError,
-    RayKVError,
-    RayKVTimeout,
-    TierUnavailableError,
-)
-from raykv.keys import CacheKey, ChunkSpan, KeyMaker
-from raykv.model import save_demo_model
-from raykv.payload import PayloadMeta
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "connect",
-    "create_gpu_worker",
-    "KVCache",
-    "KVTarget",
-    "GPUConnector",
-    "RayKVConfig",
-    "CacheKey",
-    "ChunkSpan",
-    "KeyMaker",
-    "PayloadMeta",
-    "save_demo_model",
-    "RayKVError",
-    "ConfigError",
-    "PayloadError",
-    "InvalidInputError",
-    "TierUnavailableError",
-    "RayKVTimeout",
-]
+# Public name -> the module that defines it (imported on first access).
+_LAZY: dict[str, str] = {
+    "connect": "raykv.engine",
+    "KVCache": "raykv.engine",
+    "KVTarget": "raykv.engine",
+    "create_gpu_worker": "raykv.actors.gpu_worker",
+    "GPUConnector": "raykv.connector",
+    "PageConnector": "raykv.connector",
+    "RayKVConfig": "raykv.config",
+    "CacheKey": "raykv.keys",
+    "ChunkSpan": "raykv.keys",
+    "KeyMaker": "raykv.keys",
+    "PayloadMeta": "raykv.payload",
+    "save_demo_model": "raykv.model",
+    "RayKVError": "raykv.errors",
+    "ConfigError": "raykv.errors",
+    "PayloadError": "raykv.errors",
+    "InvalidInputError": "raykv.errors",
+    "TierUnavailableError": "raykv.errors",
+    "RayKVTimeout": "raykv.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raykv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from raykv.actors.gpu_worker import create_gpu_worker
+    from raykv.config import RayKVConfig
+    from raykv.connector import GPUConnector, PageConnector
+    from raykv.engine import KVCache, KVTarget, connect
+    from raykv.errors import (
+        ConfigError,
+        InvalidInputError,
+        PayloadError,
+        RayKVError,
+        RayKVTimeout,
+        TierUnavailableError,
+    )
+    from raykv.keys import CacheKey, ChunkSpan, KeyMaker
+    from raykv.model import save_demo_model
+    from raykv.payload import PayloadMeta

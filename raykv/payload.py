@@ -17,13 +17,15 @@ from __future__ import annotations
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 import xxhash
 
 from raykv.errors import PayloadError
+
+if TYPE_CHECKING:  # torch loads only where tensors are converted: tier actors never need it
+    import torch
 
 MAGIC = b"RKVC"
 VERSION = 1
@@ -57,7 +59,24 @@ _DTYPE_NAMES = (
     "float8_e5m2fnuz",
     "bool",
 )
-DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES) if hasattr(torch, name)}
+DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES)}
+# Bytes per element, as torch has them (a table: the tiers never import torch).
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "bool": 1,
+}
 _DTYPE_BY_CODE = {code: name for name, code in DTYPE_CODES.items()}
 _LAYOUT_CODES = {LAYOUT_KV_2LTD: 0, "RAW": 1, LAYOUT_PAGES: 2}
 _LAYOUT_BY_CODE = {code: name for name, code in _LAYOUT_CODES.items()}
@@ -69,7 +88,7 @@ def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a torch dtype given by name; `PayloadError` if unknown."""
     if dtype not in DTYPE_CODES:
         raise PayloadError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPE_CODES)}")
-    return getattr(torch, dtype).itemsize
+    return _ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +139,8 @@ def tensor_to_buffer(
     Zero-copy for a contiguous CPU tensor (the array shares its memory); other
     tensors are copied to contiguous host memory first.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise PayloadError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     dtype = str(tensor.dtype).removeprefix("torch.")
@@ -138,6 +159,8 @@ def buffer_to_tensor(buf: Any, meta: PayloadMeta, *, copy: bool = False) -> torc
     A zero-copy tensor over a read-only buffer (e.g. from Ray's object store) must
     not be written to; pass `copy=True` for a writable tensor.
     """
+    import torch
+
     arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
     if arr.dtype != np.uint8 or arr.ndim != 1:
         arr = arr.reshape(-1).view(np.uint8)

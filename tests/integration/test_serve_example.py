@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,18 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+def serve_cli() -> str:
+    """The `serve` script of this interpreter's environment (an unactivated venv has it
+    beside `sys.executable`, not on PATH)."""
+    here = Path(sys.executable).with_name("serve")
+    return str(here) if here.exists() else shutil.which("serve") or "serve"
+
+
+def test_serve_cli_is_found_beside_the_interpreter(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert Path(serve_cli()).is_file()
+
+
 @pytest.mark.timeout(600)
 def test_serve_run_of_the_example_file_answers_over_http(tmp_path: Path) -> None:
     port = free_port()
@@ -123,7 +136,7 @@ def test_serve_run_of_the_example_file_answers_over_http(tmp_path: Path) -> None
     env.pop("RAY_ADDRESS", None)
     log = (tmp_path / "serve_run.log").open("w")
     proc = subprocess.Popen(
-        ["serve", "run", "--address", "local", str(copy)],
+        [serve_cli(), "run", "--address", "local", str(copy)],
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,

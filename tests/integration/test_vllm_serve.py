@@ -1,6 +1,7 @@
-"""Ray Serve LLM serving vLLM with raykv (examples/vllm_serve_app.py): two deployments
-(replicas "a" and "b", one engine each) share one raykv namespace, so a prompt replica a
-prefilled is a hit on replica b, over Serve's OpenAI HTTP API on loopback."""
+"""Ray Serve LLM serving vLLM with raykv (examples/vllm_serve_app.py), over Serve's
+OpenAI HTTP API on loopback. Deployment "b" (one engine) and "a" (two replicas behind
+raykv's `CacheAwareRouter`) share one raykv namespace: a prompt "a" prefilled is a raykv
+hit on "b", and "a"'s router keeps a prefix on the replica whose vLLM cache holds it."""
 
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, int,
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     kv = None
     try:
-        configs = [example.llm_config(model, name, **common) for name in ("a", "b")]
+        configs = [
+            example.llm_config(model, "a", replicas=2, router="cache_aware", **common),
+            example.llm_config(model, "b", **common),
+        ]
         serve.run(example.build_app(configs), name="vllm-raykv", route_prefix="/")
         kv = raykv.connect(namespace=namespace, chunk_size=vt.CHUNK)
         yield example, port, kv
@@ -99,3 +103,19 @@ def test_prompt_prefilled_by_replica_a_is_a_raykv_hit_on_replica_b(served):
     vt.assert_same_output(output(second), output(first))
     wait_for(lambda: kv.stats()["open_lookups"] == 0, "pins released")
     assert kv.stats()["tiers"]["cpu"]["pinned_entries"] == 0
+
+
+def test_cache_aware_router_keeps_a_prefix_on_the_replica_that_holds_it(served):
+    """Deployment a has two replicas. The replica that served a document holds it in
+    vLLM's own prefix cache, and needs no raykv load for the next question on it; the
+    other replica would load it from raykv. So raykv's retrieved-token count stays put
+    exactly when every follow-up goes to the replica that served the document."""
+    example, port, kv = served
+    doc = vt.prompt(41, 6 * vt.CHUNK + 10)
+    example.complete(port, "a", doc)
+    wait_for(lambda: kv.stats()["open_lookups"] == 0, "first request settled")
+    retrieved = kv.stats()["retrieved_tokens"]
+    for i in range(5):
+        reply = example.complete(port, "a", doc + vt.prompt(50 + i, 20))
+        assert example.cached_tokens(reply) >= 6 * vt.CHUNK
+    assert kv.stats()["retrieved_tokens"] == retrieved, "a follow-up went to the other replica"

@@ -1,0 +1,44 @@
+"""`import raykv` stays light: public names load on first use, torch and ray only then."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import raykv
+
+
+def _fresh(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return proc.stdout.strip()
+
+
+def test_import_raykv_loads_neither_torch_nor_ray():
+    code = "import sys, raykv; print('torch' in sys.modules, 'ray' in sys.modules)"
+    assert _fresh(code) == "False False"
+
+
+def test_version_command_loads_neither_torch_nor_ray():
+    code = (
+        "import sys, contextlib, io\n"
+        "from raykv.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--version'])\n"
+        "print('torch' in sys.modules, 'ray' in sys.modules)"
+    )
+    assert _fresh(code) == "False False"
+
+
+@pytest.mark.parametrize("name", raykv.__all__)
+def test_every_public_name_resolves(name):
+    assert getattr(raykv, name) is not None
+    assert name in dir(raykv)
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        raykv.nope  # noqa: B018
