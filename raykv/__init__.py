@@ -33,7 +33,27 @@ _LAZY: dict[str, str] = {
     "RayKVTimeout": "raykv.errors",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "__version__",
+    "connect",
+    "KVCache",
+    "KVTarget",
+    "create_gpu_worker",
+    "GPUConnector",
+    "PageConnector",
+    "RayKVConfig",
+    "CacheKey",
+    "ChunkSpan",
+    "KeyMaker",
+    "PayloadMeta",
+    "save_demo_model",
+    "RayKVError",
+    "ConfigError",
+    "PayloadError",
+    "InvalidInputError",
+    "TierUnavailableError",
+    "RayKVTimeout",
+]
 
 
 def __getattr__(name: str) -> Any:

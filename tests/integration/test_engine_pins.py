@@ -4,6 +4,7 @@ included), caller-named lookups, `close`, raw `put_chunks`/`get_chunks` payloads
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -58,14 +59,21 @@ def new_settings() -> dict:
     )
 
 
-@pytest.fixture
-def settings():
-    """A cache (namespace) of its own per test, so pin counts are this test's alone."""
+@contextlib.contextmanager
+def namespace_settings():
+    """Settings of a cache (namespace) of its own, whose actors are stopped on exit."""
     fields = new_settings()
     try:
         yield fields
     finally:
         shutdown_manager(fields["namespace"])
+
+
+@pytest.fixture
+def settings():
+    """A cache of its own per test, so pin counts are this test's alone."""
+    with namespace_settings() as fields:
+        yield fields
 
 
 @pytest.fixture
@@ -77,11 +85,8 @@ def kv(settings):
 @pytest.fixture(scope="module")
 def shared_settings():
     """One cache for the tests that count no pins (actors start once); distinct prompts."""
-    fields = new_settings()
-    try:
+    with namespace_settings() as fields:
         yield fields
-    finally:
-        shutdown_manager(fields["namespace"])
 
 
 @pytest.fixture

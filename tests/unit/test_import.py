@@ -33,6 +33,10 @@ def test_version_command_loads_neither_torch_nor_ray():
     assert _fresh(code) == "False False"
 
 
+def test_all_lists_exactly_the_lazy_names():
+    assert set(raykv.__all__) == {"__version__", *raykv._LAZY}
+
+
 @pytest.mark.parametrize("name", raykv.__all__)
 def test_every_public_name_resolves(name):
     assert getattr(raykv, name) is not None
