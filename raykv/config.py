@@ -226,8 +226,13 @@ def env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
+_QUERY_SECRET = re.compile(r"([?&;](?:password|pass|pwd)=)[^&;#]*", re.IGNORECASE)
+
+
 def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (user names stay visible)."""
+    """``url`` with any password replaced by ``***``: in the user info and in the query
+    (``?password=``, which redis-py also accepts). User names stay visible."""
+    url = _QUERY_SECRET.sub(rf"\g<1>{_MASK}", url)
     scheme, sep, rest = url.partition("://")
     if not sep or "@" not in rest:
         return url

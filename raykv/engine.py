@@ -596,6 +596,10 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
         config = RayKVConfig.load(**overrides)
     elif overrides:
         config = config.replace(**overrides)
+    if config.local_disk:  # the disk actor would refuse it too, but only in its own log
+        from raykv.actors.disk_store import check_owner
+
+        check_owner(config.local_disk)
     attach_ray(config.ray_address)
     node_id = ray.get_runtime_context().get_node_id() if config.enable_controller else None
     kv = KVCache(config, get_or_create_manager(config, node_id))

@@ -48,7 +48,7 @@ from raykv.actors.common import (
     node_scoped_name,
     resolve_batch,
 )
-from raykv.errors import InvalidInputError, PayloadError
+from raykv.errors import ConfigError, InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, decode, encode_parts, read_header
 
@@ -110,7 +110,7 @@ def _write_all(fd: int, data: Any) -> None:
 
 def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
     """Create `path` exclusively and write `parts` to it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         for part in parts:
             _write_all(fd, part)
@@ -118,6 +118,33 @@ def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_owner(path: str) -> None:
+    """Raise `ConfigError` if `path` exists and another user owns it (see `_private_dir`)."""
+    try:
+        uid = os.stat(path).st_uid
+    except FileNotFoundError:
+        return
+    if uid != os.geteuid():
+        raise ConfigError(
+            f"disk tier directory {path} is owned by uid {uid}, not by this user "
+            f"(uid {os.geteuid()}): refusing to keep KV there; point local_disk at a "
+            "directory of your own"
+        )
+
+
+def _private_dir(path: str, *, restrict: bool = True) -> None:
+    """Create `path` (and missing parents) readable by this user only; refuse a directory
+    another user owns (who could read the KV, or plant files for us to serve).
+
+    `restrict` also narrows an existing directory to 0700 (for directories raykv owns,
+    not for a `local_disk` root the user picked).
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    check_owner(path)
+    if restrict and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _fsync_dir(path: str) -> None:
@@ -270,7 +297,8 @@ class DiskStore:
         )
         self.incarnation = uuid.uuid4().hex
         self._closed = False
-        os.makedirs(self.directory, exist_ok=True)
+        _private_dir(os.path.dirname(self.directory), restrict=False)
+        _private_dir(self.directory)
         self._write_layout_file()
         self._rebuild()
 
@@ -595,7 +623,7 @@ class DiskStore:
             try:
                 _write_file(rec.tmp_path, parts, self._fsync)
             except FileNotFoundError:  # shard directory not created yet (or removed)
-                os.makedirs(os.path.dirname(rec.tmp_path), exist_ok=True)
+                os.makedirs(os.path.dirname(rec.tmp_path), mode=0o700, exist_ok=True)
                 _write_file(rec.tmp_path, parts, self._fsync)
             os.replace(rec.tmp_path, final)
             if self._fsync:  # make the rename itself durable

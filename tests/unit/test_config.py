@@ -631,10 +631,20 @@ def test_extra_config_must_hold_plain_yaml_values(value: dict[object, object]) -
         (f"redis://:p@ss{SECRET}@h:1/0", "redis://:***@h:1/0"),
         ("redis://h:6379/0", "redis://h:6379/0"),
         ("ray://kv", "ray://kv"),
+        # redis-py also takes the password from the query string.
+        (f"redis://h:6379/0?password={SECRET}", "redis://h:6379/0?password=***"),
+        (f"redis://h/0?db=1&Password={SECRET}&x=1", "redis://h/0?db=1&Password=***&x=1"),
+        (f"redis://u:{SECRET}@h/0?password={SECRET}", "redis://u:***@h/0?password=***"),
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:
     assert mask_url(url) == masked
+
+
+def test_repr_and_config_show_mask_a_query_string_password() -> None:
+    cfg = RayKVConfig(remote_url=f"redis://127.0.0.1:6379/0?password={SECRET}")
+    shown = (repr(cfg), cfg.to_yaml(mask_secrets=True), str(cfg.to_dict(mask_secrets=True)))
+    assert all(SECRET not in text for text in shown)
 
 
 def test_repr_masks_the_redis_password() -> None:

@@ -298,3 +298,48 @@ def test_wrong_sized_array_is_skipped(store: DiskStore) -> None:
     meta, data = chunk(1)
     ack = store.put([key(1)], [meta], [data[:-1]])
     assert ack.skipped == [key(1)]
+
+
+def test_files_and_directories_are_private_to_this_user(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "kv", 1 << 20)
+    try:
+        put(store, range(2))
+        assert os.stat(store.directory).st_mode & 0o777 == 0o700
+        for path in files(store):
+            assert path.stat().st_mode & 0o777 == 0o600, path
+            assert path.parent.stat().st_mode & 0o777 == 0o700, path.parent
+    finally:
+        store.close()
+
+
+def test_an_existing_layout_directory_is_narrowed_to_this_user(tmp_path: Path) -> None:
+    directory = tmp_path / layout_digest("default", "KV_2LTD", "bfloat16", 256)
+    directory.mkdir(mode=0o777)
+    os.chmod(directory, 0o777)
+    DiskStore(tmp_path, 1 << 20).close()
+    assert directory.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can chown to another user")
+def test_a_directory_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    from raykv.errors import ConfigError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 12345, 12345)
+    with pytest.raises(ConfigError, match="owned by uid 12345.*directory of your own"):
+        DiskStore(shared, 1 << 20)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can chown to another user")
+def test_connect_refuses_a_disk_directory_of_another_user_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    import raykv
+    from raykv.errors import ConfigError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 12345, 12345)
+    with pytest.raises(ConfigError, match="owned by uid 12345"):
+        raykv.connect(local_disk=str(shared), max_local_disk_size=0.1, ray_address="unused")
