@@ -50,7 +50,14 @@ from raykv.actors.common import (
 )
 from raykv.errors import ConfigError, InvalidInputError, PayloadError
 from raykv.keys import CacheKey
-from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, decode, encode_parts, read_header
+from raykv.payload import (
+    LAYOUT_KV_2LTD,
+    MAX_PAYLOAD_BYTES,
+    PayloadMeta,
+    decode,
+    encode_parts,
+    read_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,10 @@ def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
         os.close(fd)
 
 
+# Enough bytes for any codec header (fixed part, 8 dims, a 1 KiB key, checksum).
+_HEADER_PREFIX = 4096
+
+
 def check_owner(path: str) -> None:
     """Raise `ConfigError` if `path` exists and another user owns it (see `_private_dir`)."""
     try:
@@ -180,19 +191,31 @@ def _open_regular(path: str) -> Any:
         raise
 
 
-def _read_file(path: str, expected_size: int | None = None) -> np.ndarray:
+def _read_file(
+    path: str, expected_size: int | None = None, max_nbytes: int = MAX_PAYLOAD_BYTES
+) -> np.ndarray:
     """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
 
-    A file whose size is not `expected_size` (the size the index recorded) is refused
-    before anything is allocated: a swapped-in huge file must not be read into memory.
+    Nothing is allocated for the body before the header is read and checked: a file
+    whose size is not `expected_size` (the size the index recorded), whose header does
+    not parse, declares more than `max_nbytes`, or does not match the file's size is
+    refused after reading at most `_HEADER_PREFIX` bytes (a planted huge file must not
+    be read into memory).
     """
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
+        head = f.read(min(size, _HEADER_PREFIX))
+        header = read_header(head, max_nbytes)
+        if header.header_len + header.nbytes != size:
+            raise PayloadError(
+                f"file has {size} bytes, its header declares {header.header_len} + {header.nbytes}"
+            )
         buf = np.empty(size, dtype=np.uint8)
+        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         view = memoryview(buf)
-        done = 0
+        done = len(head)
         while done < size:
             n = f.readinto(view[done:])
             if not n:
@@ -480,7 +503,7 @@ class DiskStore:
         """Why the file at `path` is not a valid record of `key`, or None if it is."""
         try:
             if deep:
-                decode(_read_file(path), key.to_string(), key.kv_dtype)
+                decode(_read_file(path, None, self._index.capacity), key.to_string(), key.kv_dtype)
                 return None
             with _open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -709,7 +732,9 @@ class DiskStore:
         with self._lock:
             expected = self._index.size_of(key)
         try:
-            decoded = decode(_read_file(path, expected), key.to_string(), key.kv_dtype)
+            decoded = decode(
+                _read_file(path, expected, self._index.capacity), key.to_string(), key.kv_dtype
+            )
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
             self._drop(key, unlink=False)

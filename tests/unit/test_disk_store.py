@@ -343,3 +343,25 @@ def test_connect_refuses_a_disk_directory_of_another_user_before_starting_anythi
     os.chown(shared, 12345, 12345)
     with pytest.raises(ConfigError, match="owned by uid 12345"):
         raykv.connect(local_disk=str(shared), max_local_disk_size=0.1, ray_address="unused")
+
+
+def test_a_planted_huge_file_is_refused_before_its_body_is_read(tmp_path: Path) -> None:
+    """A valid-looking name over 1 GiB of garbage (sparse) at restart: a miss, and the
+    reader never allocates the file's size (header first)."""
+    import resource
+
+    first = DiskStore(tmp_path, 4 << 30)
+    put(first, [1])
+    path = files(first)[0]
+    first.close()
+    with open(path, "r+b") as f:
+        f.truncate(1 << 30)  # the header stays, the size no longer matches it
+    store = DiskStore(tmp_path, 4 << 30)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        metas, arrays = store.get_batch([key(1)])
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert metas == [None] and arrays[0].size == 0
+        assert grown_kib < 200 * 1024, f"peak RSS grew {grown_kib} KiB"
+    finally:
+        store.close()
