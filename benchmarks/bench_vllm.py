@@ -64,10 +64,12 @@ An earlier run the same hour (15:30) gave the same picture within a few percent.
   runs at 0.99x / 1.01x of plain vLLM (the saves run in the background). Disk hits are
   1.01x / 1.08x the CPU hit, Redis hits 1.11x / 1.20x.
 - These ratios look good partly because vLLM's CPU kernels are slow on this machine.
-  The 256-token question over the document takes 1.2 s at 4k and 2.3 s at 8k. Loading
-  the 32 / 64 MiB of pages (one manager call, one `ray.get`, one `index_copy_` per
-  layer) is about 35 / 60 ms of that. On a GPU, where the suffix takes milliseconds,
-  the load is most of a hit's TTFT; that is what issue 14's data-path goals are about.
+  The 256-token question over the document takes 1.2 s at 4k and 2.3 s at 8k. A raykv
+  hit differs from vLLM's own hit by its load of 32 / 64 MiB of pages (one manager
+  call, one `ray.get`, one `index_copy_` per layer), and that difference was +48 / -36
+  ms here (+35 / +9 ms at 15:30), inside the runs' spread. The load was not timed on
+  its own. On a GPU, where the suffix takes milliseconds, the load is most of a hit's
+  TTFT; that is what issue 14's data-path goals are about.
 - The multi-turn chat keeps its whole history cached. Each turn adds two 2k-token
   unrelated prompts that overflow a 64 MiB CPU tier (8k tokens), and every turn still
   served all its earlier tokens.
