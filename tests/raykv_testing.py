@@ -78,3 +78,14 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(5)
         self.proc = None
+
+
+def kv_for(tokens, num_layers: int = 2, hidden: int = 16):
+    """`KV_2LTD` fp16 KV whose values derive from the token ids: equal prefixes give equal KV."""
+    import torch  # only the tests that build KV need it
+
+    t = torch.as_tensor(tokens, dtype=torch.float32)
+    layers = torch.arange(num_layers, dtype=torch.float32).view(1, num_layers, 1, 1)
+    cols = torch.arange(hidden, dtype=torch.float32).view(1, 1, 1, hidden)
+    kv = t.view(1, 1, -1, 1) * 1000 + layers * 10 + cols / 100
+    return torch.cat([kv, -kv]).to(torch.float16)

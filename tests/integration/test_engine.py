@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from raykv_testing import kv_for
 
 import raykv
 from raykv.actors.storage_manager import shutdown_manager
@@ -20,15 +21,6 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 C = 16  # chunk size in tokens
 L, HEADS, HEAD_DIM = 2, 2, 8
 HIDDEN = HEADS * HEAD_DIM
-
-
-def kv_for(tokens: np.ndarray) -> torch.Tensor:
-    """KV whose values derive from the token ids: equal prefixes give equal KV."""
-    t = torch.as_tensor(tokens, dtype=torch.float32)
-    layers = torch.arange(L, dtype=torch.float32).view(1, L, 1, 1)
-    cols = torch.arange(HIDDEN, dtype=torch.float32).view(1, 1, 1, HIDDEN)
-    kv = t.view(1, 1, -1, 1) * 1000 + layers * 10 + cols / 100
-    return torch.cat([kv, -kv]).to(torch.float16)
 
 
 @pytest.fixture(scope="module")

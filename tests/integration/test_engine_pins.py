@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from raykv_testing import kv_for
 
 import raykv
 from raykv.actors.storage_manager import shutdown_manager
@@ -33,15 +34,6 @@ HIDDEN = HEADS * HEAD_DIM
 BLOCK_SIZE = 4  # tokens per engine page: C // BLOCK_SIZE pages per chunk
 PAGES_PER_CHUNK = C // BLOCK_SIZE
 REPO = Path(__file__).resolve().parents[2]
-
-
-def kv_for(tokens: np.ndarray) -> torch.Tensor:
-    """KV whose values derive from the token ids: equal prefixes give equal KV."""
-    t = torch.as_tensor(tokens, dtype=torch.float32)
-    layers = torch.arange(L, dtype=torch.float32).view(1, L, 1, 1)
-    cols = torch.arange(HIDDEN, dtype=torch.float32).view(1, 1, 1, HIDDEN)
-    kv = t.view(1, 1, -1, 1) * 1000 + layers * 10 + cols / 100
-    return torch.cat([kv, -kv]).to(torch.float16)
 
 
 def prompt(seed: int, n: int) -> np.ndarray:
