@@ -9,7 +9,7 @@ Workload (seeded, identical for every router): `users` conversations share one
 Rounds of turns are replayed with the users in a seeded random order per round, two
 requests in flight at a time (so the pow-2 router has queue lengths to compare).
 
-Deployment: `raykv.serve.build_app(replicas=2, cache_scope="replica")`: each replica
+Deployment: `raykv.demo.serve_app.build_app(replicas=2, cache_scope="replica")`: each replica
 has its OWN raykv namespace (its own StorageManager + CPUStore, an LRU of `--capacity`
 chunks), which is what one replica sees on its own node, or in its GPU prefix cache;
 on this one machine a shared CPU tier would make every replica see every prefix and
@@ -109,7 +109,7 @@ def run_router(router: str, args: argparse.Namespace, rounds: list[Any]) -> Resu
     """Deploy 2 replicas with `router`, replay the workload, tear everything down."""
     from ray import serve
 
-    from raykv.serve import build_app
+    from raykv.demo.serve_app import build_app
 
     namespace = f"bench-cluster-{uuid.uuid4().hex[:6]}"
     app_name = f"bench-{router}"

@@ -129,7 +129,7 @@ def bench_connector(args: argparse.Namespace) -> None:
 def bench_model(args: argparse.Namespace) -> None:
     from transformers import DynamicCache
 
-    from raykv.model import build_demo_model, prefill, prefill_suffix
+    from raykv.demo.model import build_demo_model, prefill, prefill_suffix
 
     model = build_demo_model(seed=0, device=args.device)
     suffix = 256

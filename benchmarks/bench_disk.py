@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._util import Summary, median_seconds, redis_server_class
-from raykv.actors.disk_store import SUFFIX, DiskStore, layout_digest
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, encode
+from raykv.tiers.disk import SUFFIX, DiskStore, layout_digest
 
 MiB = 1 << 20
 SUMMARY = Summary()
@@ -213,8 +213,8 @@ def bench_reopen(root: Path, count: int, reps: int) -> None:
 def bench_redis(root: Path, chunk_bytes: int, total_bytes: int, reps: int) -> None:
     import redis.asyncio as aioredis
 
-    from raykv.actors.remote_store import RemoteStore
     from raykv.config import RayKVConfig
+    from raykv.tiers.remote import RemoteStore
 
     server = redis_server_class()(root)
     server.start()

@@ -86,7 +86,7 @@ class Client:
     """A serving process on one node: the demo model + raykv (the node's manager)."""
 
     def __init__(self, config: RayKVConfig) -> None:
-        from raykv.actors.gpu_worker import ModelWorker
+        from raykv.demo.gpu_worker import ModelWorker
 
         self.worker = ModelWorker(config, 0, num_threads=1, **MODEL)
 

@@ -43,14 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._util import median_seconds  # noqa: E402
 from raykv.actors.cpu_store import CPUStoreActor  # noqa: E402
-from raykv.actors.storage_manager import (  # noqa: E402
-    PackedSpans,
-    get_or_create_manager,
-    shutdown_manager,
-)
+from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import ChunkSpan, KeyMaker  # noqa: E402
 from raykv.payload import PayloadMeta  # noqa: E402
+from raykv.wire import PackedSpans
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\

@@ -54,11 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
-from raykv.actors.gpu_worker import ModelWorker  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
+from raykv.demo.gpu_worker import ModelWorker  # noqa: E402
+from raykv.demo.model import cache_from_buffers, prefill_suffix  # noqa: E402
 from raykv.engine import KVTarget  # noqa: E402
-from raykv.model import cache_from_buffers, prefill_suffix  # noqa: E402
 
 SUFFIX = 256
 TIERS = ("cpu", "disk", "redis")

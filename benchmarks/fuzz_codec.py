@@ -44,12 +44,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from raykv.actors.disk_store import DiskStore
 from raykv.config import RayKVConfig
 from raykv.errors import PayloadError
 from raykv.keys import CacheKey, make_key
 from raykv.payload import PayloadMeta, decode, encode, read_header
-from raykv.remote_backends import RedisBackend
+from raykv.tiers.disk import DiskStore
+from raykv.tiers.remote import RedisBackend
 
 MIB = 1 << 20
 INPUT_TIME_LIMIT_S = 2.0

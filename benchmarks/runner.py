@@ -1,7 +1,6 @@
 """Run every raykv benchmark, each in its own subprocess, and write one report.
 
     python -m benchmarks [--quick] [--only keys,policies] [--no-write] [--out PATH]
-    raykv bench ...            # the same, from a source checkout
 
 Each benchmark runs as `python -m benchmarks.bench_NAME [--quick] --json TMP` under a
 time limit, in a fresh process (so Ray instances and memory never leak from one to
@@ -525,7 +524,7 @@ def print_summary(outcomes: Sequence[Outcome]) -> None:
 
 
 def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
-    """The runner's options (shared by `python -m benchmarks` and `raykv bench`)."""
+    """The runner's options (of `python -m benchmarks`)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=__doc__.split("\n\n")[0],

@@ -16,7 +16,7 @@
 # reports hit_tokens > 0. Stop with Ctrl-C (or `serve shutdown -y`).
 #
 # Settings: SERVE_DEMO_MODEL=tiny|demo (default tiny: 2 layers, hidden 64; demo:
-# raykv.model.DEMO_CONFIG, 8 layers, hidden 512, vocab 32000), SERVE_DEMO_REPLICAS (2),
+# raykv.demo.model.DEMO_CONFIG, 8 layers, hidden 512, vocab 32000), SERVE_DEMO_REPLICAS (2),
 # SERVE_DEMO_ROUTER=cache_aware|pow2|random, SERVE_DEMO_CHUNK_SIZE (64),
 # SERVE_DEMO_CACHE_SCOPE=shared|replica, or the same names (model, replicas, ...) under
 # the "args" below; raykv's own RAYKV_* variables configure the cache as usual (e.g.
@@ -27,12 +27,12 @@
 # Why this file looks odd: `serve run PATH` reads an existing file as a YAML Serve
 # config, while `serve run module:app` imports a Python module. This file is both.
 # To YAML the four lines below are the config (one application built by
-# raykv.serve.demo_app, HTTP on 127.0.0.1:8000) and two keys Serve ignores; to Python
+# raykv.demo.serve_app.demo_app, HTTP on 127.0.0.1:8000) and two keys Serve ignores; to Python
 # they are two annotations (no effect) and two `if` statements: `app` when imported,
 # the HTTP client when run as a script. Keep each line valid in both languages
 # (tests/integration/test_serve_example.py checks both readings).
 
 http_options: {"host": "127.0.0.1", "port": 8000}
-applications: [{"name": "raykv-demo", "route_prefix": "/", "import_path": "raykv.serve:demo_app", "args": {}}]
+applications: [{"name": "raykv-demo", "route_prefix": "/", "import_path": "raykv.demo.serve_app:demo_app", "args": {}}]
 if __name__ != "__main__": from raykv.serve import app_from_env; app = app_from_env()
 if __name__ == "__main__": from raykv.serve import demo_client; demo_client()

@@ -16,7 +16,7 @@ _LAZY: dict[str, str] = {
     "connect": "raykv.engine",
     "KVCache": "raykv.engine",
     "KVTarget": "raykv.engine",
-    "create_gpu_worker": "raykv.actors.gpu_worker",
+    "create_gpu_worker": "raykv.demo.gpu_worker",
     "GPUConnector": "raykv.connector",
     "PageConnector": "raykv.connector",
     "RayKVConfig": "raykv.config",
@@ -24,7 +24,7 @@ _LAZY: dict[str, str] = {
     "ChunkSpan": "raykv.keys",
     "KeyMaker": "raykv.keys",
     "PayloadMeta": "raykv.payload",
-    "save_demo_model": "raykv.model",
+    "save_demo_model": "raykv.demo.model",
     "RayKVError": "raykv.errors",
     "ConfigError": "raykv.errors",
     "PayloadError": "raykv.errors",
@@ -70,9 +70,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from raykv.actors.gpu_worker import create_gpu_worker
     from raykv.config import RayKVConfig
     from raykv.connector import GPUConnector, PageConnector
+    from raykv.demo.gpu_worker import create_gpu_worker
+    from raykv.demo.model import save_demo_model
     from raykv.engine import KVCache, KVTarget, connect
     from raykv.errors import (
         ConfigError,
@@ -83,5 +84,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
         TierUnavailableError,
     )
     from raykv.keys import CacheKey, ChunkSpan, KeyMaker
-    from raykv.model import save_demo_model
     from raykv.payload import PayloadMeta

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands (their optional dependencies import lazily).
-_SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate", "raykv.stats_cli", "raykv.bench_cli")
+_SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate", "raykv.stats_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,12 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `raykv` console script; returns the process exit code."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        # Only a pass-through subcommand (`raykv bench`) takes options it does not declare.
-        if not getattr(args, "pass_through", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.extra = extra
+    args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

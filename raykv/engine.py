@@ -84,7 +84,7 @@ class KVCache:
         return self._keys.keys(tokens, mask)
 
     def _packed(self, spans: list[ChunkSpan]) -> Any:
-        from raykv.actors.storage_manager import PackedSpans
+        from raykv.wire import PackedSpans
 
         return PackedSpans.of(spans)
 
@@ -597,7 +597,7 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
     elif overrides:
         config = config.replace(**overrides)
     if config.local_disk:  # the disk actor would refuse it too, but only in its own log
-        from raykv.actors.disk_store import check_owner
+        from raykv.tiers.disk import check_owner
 
         check_owner(config.local_disk)
     attach_ray(config.ray_address)

@@ -15,15 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from raykv.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from raykv.config import RayKVConfig
 
 DEFAULT_HASH_SEED = "raykv-v1"
 _INT32_MAX = 2**31 - 1
@@ -251,7 +248,7 @@ class KeyMaker:
         _seed_digest(self.hash_seed)
 
     @classmethod
-    def from_config(cls, config: RayKVConfig, **overrides: Any) -> KeyMaker:
+    def from_config(cls, config: Any, **overrides: Any) -> KeyMaker:  # a RayKVConfig
         """A KeyMaker using the model identity, chunking and seed of `config`."""
         fields = {
             "model_name": config.model_name,

@@ -1,13 +1,11 @@
-"""Ray Serve integration: the demo model behind HTTP, N replicas sharing raykv, cache-aware routing.
+"""Ray Serve integration: cache-aware request routing for replicas that share raykv.
 
-    app = raykv.serve.build_app(replicas=2, router="cache_aware")
-    serve.run(app)            # POST / {"tokens": [...], "max_new_tokens": n}
+    from raykv.serve import router_config
+    deployment.options(request_router_config=router_config("cache_aware", config))
 
-Two deployments: `KVIngress` (HTTP, parses and validates the JSON) calls `KVModelServer`
-(the replicas: a `ModelWorker` each, i.e. the demo Llama model plus a raykv client)
-through a `DeploymentHandle`, and that handle routes with a custom Ray Serve request
-router (`request_router_config`). Routers:
-
+Used by any Serve deployment whose replicas run a raykv client (a vLLM engine with
+`RayKVConfig` through `raykv.integrations.vllm`, or the demo app in `raykv.demo.serve_app`).
+Routers:
 * ``cache_aware`` (`CacheAwareRouter`): the router hashes the request's tokens with the
   cache's `KeyMaker` and prefers the replica that holds the longest run of its leading
   chunks (at least half of them), from two sources:
@@ -41,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import random
 import time
 from collections import OrderedDict
@@ -51,7 +48,6 @@ from typing import Any, Literal
 import ray
 
 try:
-    from ray import serve
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import (
         FIFOMixin,
@@ -69,21 +65,8 @@ from raykv.keys import KeyMaker
 logger = logging.getLogger(__name__)
 
 RouterName = Literal["cache_aware", "pow2", "random"]
-CacheScope = Literal["shared", "replica"]
 STATS_KEY = "raykv_prefixes"  # routing-stats field: the replica's recent chunk-hash ids
 DEFAULT_SUMMARY_SIZE = 4096  # chunk ids per replica summary (8 bytes each on the wire)
-MAX_NEW_TOKENS_LIMIT = 1024
-
-# A small model of the demo architecture for tests and a 2-core box (~0.3M parameters).
-TINY_MODEL: dict[str, Any] = {
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-}
 
 
 # ----- prefix summaries and the routing choice (pure, testable without Serve) -----
@@ -375,102 +358,6 @@ class RandomRouter(FIFOMixin, RequestRouter):
         return [[r] for r in order]
 
 
-# ----- deployments -----
-
-
-def _check_request(tokens: Any, max_new_tokens: Any) -> tuple[list[int], int]:
-    if not isinstance(tokens, list) or not tokens:
-        raise InvalidInputError('"tokens" must be a non-empty list of ints')
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise InvalidInputError('"tokens" must hold ints >= 0')
-    if (
-        not isinstance(max_new_tokens, int)
-        or isinstance(max_new_tokens, bool)
-        or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT
-    ):
-        raise InvalidInputError(f'"max_new_tokens" must be an int in [1, {MAX_NEW_TOKENS_LIMIT}]')
-    return tokens, max_new_tokens
-
-
-class KVModelServer:
-    """One replica: the demo model + a raykv client; reports its recent prefixes to routers."""
-
-    def __init__(
-        self,
-        config: dict[str, Any] | None = None,
-        model: dict[str, Any] | None = None,
-        *,
-        seed: int = 0,
-        num_threads: int | None = None,
-        cache_scope: CacheScope = "shared",
-        summary_size: int = DEFAULT_SUMMARY_SIZE,
-    ) -> None:
-        from raykv.actors.gpu_worker import ModelWorker
-
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.node_id = ray.get_runtime_context().get_node_id()
-        cfg = RayKVConfig.load(**(config or {}))
-        if cache_scope == "replica":  # a replica-local cache: its own namespace of actors
-            cfg = cfg.replace(namespace=f"{cfg.namespace}-{self.replica_id}")
-        elif cache_scope != "shared":
-            raise InvalidInputError(f"cache_scope must be 'shared' or 'replica', got {cache_scope}")
-        self.config = cfg
-        self.worker = ModelWorker(cfg, seed, num_threads=num_threads, **(model or {}))
-        vocab = self.worker.model.config.vocab_size
-        self.vocab_size = int(vocab)
-        self.summary = PrefixSummary(summary_size)
-        self._lock = asyncio.Lock()  # one generate at a time: CPU prefill uses every core
-
-    async def generate(self, tokens: list[int], max_new_tokens: int = 16) -> dict[str, Any]:
-        """Generate with raykv; returns tokens, hit_tokens, ttft_s, replica, node and details."""
-        tokens, max_new_tokens = _check_request(tokens, max_new_tokens)
-        if max(tokens) >= self.vocab_size:
-            raise InvalidInputError(f"token ids must be < vocab_size {self.vocab_size}")
-        async with self._lock:
-            out = await asyncio.to_thread(self.worker.generate, tokens, max_new_tokens)
-        self.summary.add(chunk_ids(self.worker.kv._keys, tokens))
-        return {
-            "tokens": out["tokens"],
-            "hit_tokens": int(out["hit_tokens"]),
-            "ttft_s": float(out["ttft_s"]),
-            "replica": self.replica_id,
-            "node": self.node_id,
-            "hit_tiers": dict(out["hit_tiers"]),
-            "prompt_tokens": int(out["prompt_tokens"]),
-        }
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Serve every `request_routing_stats_period_s`; read by `CacheAwareRouter`."""
-        return {STATS_KEY: self.summary.snapshot()}
-
-    def shutdown_cache(self) -> None:
-        """Stop this replica's raykv actors when `cache_scope="replica"` (else a no-op)."""
-        if self.config.namespace.endswith(self.replica_id):
-            from raykv.actors.storage_manager import shutdown_manager
-
-            self.worker.kv.close()
-            shutdown_manager(self.config.namespace)
-
-
-class KVIngress:
-    """HTTP ingress: `POST /` with `{"tokens": [...], "max_new_tokens": n}`."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-
-    async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise InvalidInputError("the body must be a JSON object")
-            tokens, n = _check_request(body.get("tokens"), body.get("max_new_tokens", 16))
-            return await self._model.generate.remote(tokens, n)
-        except (ValueError, InvalidInputError) as exc:  # bad JSON or bad fields
-            return JSONResponse({"error": str(exc)}, status_code=400)
-
-
 def router_config(
     router: RouterName,
     config: RayKVConfig,
@@ -518,143 +405,13 @@ def router_config(
     raise InvalidInputError(f"router must be cache_aware, pow2 or random, got {router!r}")
 
 
-def build_app(
-    *,
-    replicas: int = 2,
-    router: RouterName = "cache_aware",
-    config: dict[str, Any] | None = None,
-    model: dict[str, Any] | None = None,
-    cache_scope: CacheScope = "shared",
-    num_cpus: float = 0.5,
-    num_threads: int | None = None,
-    max_ongoing_requests: int = 4,
-    stats_period_s: float = 1.0,
-    name_suffix: str = "",
-    max_replicas_per_node: int | None = None,
-    router_options: dict[str, Any] | None = None,
-) -> serve.Application:
-    """The Serve application: `KVIngress` over `replicas` x `KVModelServer` routed by `router`.
-
-    `config` holds `RayKVConfig` overrides (defaults < file < env < these); `model`
-    holds demo-model overrides (e.g. `TINY_MODEL`). With ``enable_controller: true``
-    each replica uses its node's StorageManager and the router asks the KVController
-    which node holds a prompt's prefix (not with ``cache_scope="replica"``, where each
-    replica has a cache of its own and its summary already says what it holds).
-    `max_replicas_per_node=1` spreads the replicas over the nodes of a cluster.
-    """
-    if not isinstance(replicas, int) or replicas < 1:
-        raise InvalidInputError(f"replicas must be an int >= 1, got {replicas!r}")
-    cfg = RayKVConfig.load(**(config or {}))
-    server = serve.deployment(KVModelServer).options(
-        name=f"KVModelServer{name_suffix}",
-        num_replicas=replicas,
-        max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": num_cpus},
-        request_router_config=router_config(
-            router,
-            cfg,
-            stats_period_s=stats_period_s,
-            use_controller=cfg.enable_controller and cache_scope == "shared",
-            options=router_options,
-        ),
-        **(
-            {}
-            if max_replicas_per_node is None
-            else {"max_replicas_per_node": max_replicas_per_node}
-        ),
-    )
-    ingress = serve.deployment(KVIngress).options(
-        name=f"KVIngress{name_suffix}", ray_actor_options={"num_cpus": 0}
-    )
-    return ingress.bind(
-        server.bind(
-            config, model, num_threads=num_threads, cache_scope=cache_scope, summary_size=4096
-        )
-    )
-
-
-DEMO_ARGS: dict[str, tuple[str, str]] = {  # demo_app argument -> (environment variable, default)
-    "model": ("SERVE_DEMO_MODEL", "tiny"),
-    "replicas": ("SERVE_DEMO_REPLICAS", "2"),
-    "router": ("SERVE_DEMO_ROUTER", "cache_aware"),
-    "chunk_size": ("SERVE_DEMO_CHUNK_SIZE", "64"),
-    "cache_scope": ("SERVE_DEMO_CACHE_SCOPE", "shared"),
-}
-
-
-def demo_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder for examples/serve_app.py (``import_path: raykv.serve:demo_app``).
-
-    `args` (a Serve config's ``args:``) may set model (tiny|demo), replicas, router,
-    chunk_size and cache_scope; what it leaves out comes from the ``SERVE_DEMO_*``
-    variables, then the defaults. The cache itself is configured as usual (RAYKV_*
-    variables, RAYKV_CONFIG_FILE).
-    """
-    if not isinstance(args, dict):
-        raise InvalidInputError(f"demo_app args must be a mapping, got {type(args).__name__}")
-    unknown = sorted(set(args) - set(DEMO_ARGS))
-    if unknown:
-        raise InvalidInputError(f"unknown demo_app args {unknown}; known: {sorted(DEMO_ARGS)}")
-    opts = {
-        k: str(args.get(k, os.environ.get(env, default))) for k, (env, default) in DEMO_ARGS.items()
-    }
-    if opts["model"] not in ("tiny", "demo"):
-        raise InvalidInputError(f"model must be 'tiny' or 'demo', got {opts['model']!r}")
-    try:
-        replicas, chunk_size = int(opts["replicas"]), int(opts["chunk_size"])
-    except ValueError as exc:
-        raise InvalidInputError(f"replicas and chunk_size must be ints: {exc}") from None
-    return build_app(
-        replicas=replicas,
-        router=opts["router"],  # type: ignore[arg-type]
-        config={"chunk_size": chunk_size, "kv_dtype": "float32"},
-        model=TINY_MODEL if opts["model"] == "tiny" else {},
-        cache_scope=opts["cache_scope"],  # type: ignore[arg-type]
-    )
-
-
-def app_from_env() -> serve.Application:
-    """`demo_app` configured by the ``SERVE_DEMO_*`` variables only."""
-    return demo_app({})
-
-
-def demo_client(argv: Sequence[str] | None = None) -> None:
-    """``python examples/serve_app.py --query N``: two requests sharing an N-token prefix."""
-    import argparse
-    import json
-    import urllib.request
-
-    parser = argparse.ArgumentParser(description="Query the raykv Serve demo over HTTP.")
-    parser.add_argument("--query", type=int, metavar="PREFIX_LEN", default=4096)
-    parser.add_argument("--url", default="http://127.0.0.1:8000/")
-    args = parser.parse_args(argv)
-    vocab = 1024 if os.environ.get("SERVE_DEMO_MODEL", "tiny") == "tiny" else 32000
-    rng = random.Random(0)
-    prefix = [rng.randrange(vocab) for _ in range(args.query)]
-    for turn in range(2):
-        body = {"tokens": prefix + [rng.randrange(vocab) for _ in range(16)], "max_new_tokens": 4}
-        req = urllib.request.Request(args.url, data=json.dumps(body).encode(), method="POST")
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            out = json.loads(resp.read())
-        print(
-            f"request {turn}: replica={out['replica']} hit_tokens={out['hit_tokens']} "
-            f"ttft_s={out['ttft_s']:.4f} tokens={out['tokens']}"
-        )
-
-
 __all__ = [
-    "TINY_MODEL",
     "CacheAwareRouter",
-    "KVIngress",
-    "KVModelServer",
     "PrefixSummary",
     "RandomRouter",
-    "app_from_env",
-    "build_app",
-    "demo_app",
-    "demo_client",
     "chunk_ids",
     "covered_prefix",
     "rank_by_prefix",
+    "request_tokens",
     "router_config",
 ]

@@ -1,11 +1,11 @@
-"""Helpers shared by the tier actors: a byte-budget index, put argument checks and
-resolution, a short hold for handed-out refs, and node-scoped actor names and factories."""
+"""Helpers shared by the tier actors (they need Ray): put batch resolution, a short hold
+for handed-out refs, and node-scoped actor names and factories."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,144 +13,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.base import ACTOR_OPTIONS
-from raykv.errors import InvalidInputError
-from raykv.policies import make_policy, touch_prefix
-
-DEFAULT_EXPECTED_CHUNK_BYTES = 2 << 20
-
-
-class ByteBudgetIndex:
-    """Sizes of the entries of one tier, its eviction policy and its byte budget.
-
-    Not thread-safe: the owning tier holds its lock around every call. Space for an
-    entry being written is *reserved* first (evicting complete entries by policy to make
-    room) and *committed* once the entry is complete, so `used + reserved` never exceeds
-    capacity. The put that admitted keys places them in the policy with `order()` once
-    (in request order, not write-completion order); a key is evictable only once it is
-    both complete and ordered, so a request never evicts its own earlier chunks.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        policy: str = "lru",
-        expected_entry_bytes: int = DEFAULT_EXPECTED_CHUNK_BYTES,
-    ) -> None:
-        if capacity_bytes <= 0:
-            raise InvalidInputError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        self.capacity = int(capacity_bytes)
-        self.policy_name = policy.lower()
-        # Policies are sized in objects; only queue-based ones (S3-FIFO, SLRU, ARC) use it.
-        slots = max(1, self.capacity // max(1, expected_entry_bytes))
-        self._policy = make_policy(policy, slots)
-        self._sizes: dict[Hashable, int] = {}
-        self._reserved: dict[Hashable, int] = {}
-        self.used = 0
-        self.reserved = 0
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sizes
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    def size_of(self, key: Hashable) -> int | None:
-        return self._sizes.get(key)
-
-    def keys(self) -> list:
-        return list(self._sizes)
-
-    def touch(self, key: Hashable) -> None:
-        self._policy.touch(key)
-
-    def touch_prefix(self, keys: Sequence[Hashable]) -> None:
-        """Touch a request's hits deepest first (see `raykv.policies.touch_prefix`)."""
-        touch_prefix(self._policy, keys)
-
-    def _complete(self, key: Hashable) -> bool:
-        return key in self._sizes
-
-    def _evict_one(self, incoming: Hashable = None) -> tuple[Hashable, int] | None:
-        got = self._policy.evict(1, self._complete, incoming=incoming)
-        if not got:
-            return None
-        size = self._sizes.pop(got[0])
-        self.used -= size
-        return got[0], size
-
-    def reserve(self, key: Hashable, size: int) -> tuple[bool, list[tuple[Hashable, int]]]:
-        """Reserve `size` bytes for `key`, evicting by policy: (fits, [(victim, size)]).
-
-        Reserved entries cannot be evicted, so a request larger than
-        `capacity - reserved` fails at once without evicting anything.
-        """
-        if size > self.capacity - self.reserved:
-            return False, []
-        victims: list[tuple[Hashable, int]] = []
-        while self.used + self.reserved + size > self.capacity:
-            victim = self._evict_one(incoming=key)
-            if victim is None:
-                break
-            victims.append(victim)
-        fits = self.used + self.reserved + size <= self.capacity
-        if fits:
-            self._reserved[key] = size
-            self.reserved += size
-        return fits, victims
-
-    def order(self, keys: Iterable[Hashable]) -> None:
-        """Insert admitted keys into the policy, in the given order (last = most recent)."""
-        for key in keys:
-            if key in self._reserved or key in self._sizes:
-                self._policy.insert(key)
-
-    def commit(self, key: Hashable, size: int) -> None:
-        """Turn `key`'s reservation into an entry of its real size (at most the reservation)."""
-        self.reserved -= self._reserved.pop(key, 0)
-        self._sizes[key] = size
-        self.used += size
-
-    def unreserve(self, key: Hashable) -> None:
-        """Drop a reservation whose write failed or was cancelled."""
-        self.reserved -= self._reserved.pop(key, 0)
-        if key not in self._sizes:
-            self._policy.remove(key)
-
-    def add(self, key: Hashable, size: int) -> None:
-        """Record an entry without a reservation (index rebuild); may exceed capacity."""
-        old = self._sizes.get(key)
-        if old is not None:
-            self.used -= old
-        self._sizes[key] = size
-        self.used += size
-        self._policy.insert(key)
-
-    def discard(self, key: Hashable) -> int | None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
-            self._policy.remove(key)
-        return size
-
-    def shrink(self) -> list[tuple[Hashable, int]]:
-        """Evict until within capacity (after a rebuild or a capacity change)."""
-        victims: list[tuple[Hashable, int]] = []
-        while self.used + self.reserved > self.capacity:
-            victim = self._evict_one()
-            if victim is None:
-                break
-            victims.append(victim)
-        return victims
-
-    def clear(self) -> list[Hashable]:
-        """Drop every complete entry (reservations stay until their writes finish)."""
-        keys = list(self._sizes)
-        for key in keys:
-            self._policy.remove(key)
-        self._sizes.clear()
-        self.used = 0
-        return keys
-
 
 # Ray keeps task returns up to this size in the owner's process heap (its
 # `max_direct_call_object_size`, 100 KiB by default), not in the object store.
@@ -211,15 +73,6 @@ class HandoutHold:
         return len(self._held)
 
 
-def check_put_lengths(keys: Sequence[Any], metas: Sequence[Any], arrays: Sequence[Any]) -> None:
-    """A put needs one meta and one array per key."""
-    if not len(keys) == len(metas) == len(arrays):
-        raise InvalidInputError(
-            f"put needs one meta and one array per key: got {len(keys)} keys, "
-            f"{len(metas)} metas, {len(arrays)} arrays"
-        )
-
-
 def resolve_batch(batch: Any) -> list[np.ndarray]:
     """The arrays of a put: `[ObjectRef]` whose values are `list[np.ndarray]` (zero-copy on
     the same node), a bare ObjectRef, or the arrays themselves (passed by value)."""
@@ -260,9 +113,7 @@ def get_or_create_node_actor(
 
 
 __all__ = [
-    "DEFAULT_EXPECTED_CHUNK_BYTES",
-    "ByteBudgetIndex",
-    "check_put_lengths",
+    "HandoutHold",
     "get_or_create_node_actor",
     "node_scoped_name",
     "resolve_batch",

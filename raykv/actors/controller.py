@@ -34,8 +34,9 @@ from typing import Any
 
 import ray
 
-from raykv.actors.base import ACTOR_OPTIONS, CONTROLLER_NAME, TIER_CPU, TIER_DISK
+from raykv.actors.base import ACTOR_OPTIONS, CONTROLLER_NAME
 from raykv.keys import CacheKey
+from raykv.wire import TIER_CPU, TIER_DISK
 
 logger = logging.getLogger(__name__)
 

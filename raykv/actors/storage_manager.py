@@ -27,8 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,26 +43,32 @@ from raykv.actors.base import (
     DISK_STORE_NAME,
     REMOTE_STORE_NAME,
     STORAGE_MANAGER_NAME,
-    TIER_CPU,
-    TIER_DISK,
-    TIER_ORDER,
-    TIER_REMOTE,
-    ChunkRef,
-    PutAck,
 )
-from raykv.actors.common import HandoutHold
+from raykv.actors.common import HandoutHold, node_scoped_name
 from raykv.actors.controller import (
     FLUSH_INTERVAL_SECS,
     RESYNC_PERIOD_SECS,
     ControllerReporter,
     get_or_create_controller,
 )
-from raykv.actors.cpu_store import CPUAck, CPUStoreActor
-from raykv.actors.disk_store import node_scoped_name
+from raykv.actors.cpu_store import CPUStoreActor
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan
 from raykv.payload import PayloadMeta
+from raykv.tiers.budget import BoundedKeySet
+from raykv.wire import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_ORDER,
+    TIER_REMOTE,
+    ChunkRef,
+    CPUAck,
+    PackedSpans,
+    PutAck,
+    PutResult,
+    RetrieveResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,37 +101,6 @@ WAIT_FOR_PREFETCH_SECS = 1.0
 
 
 @dataclass(slots=True)
-class PutResult:
-    """What `put` did in the CPU tier (disk and remote writes finish in the background)."""
-
-    stored: int = 0  # chunks newly cached in CPU
-    present: int = 0  # chunks already cached (the first put of a key wins)
-    skipped: int = 0  # chunks not cached in CPU: no unpinned room within the timeout
-
-
-@dataclass(slots=True)
-class RetrieveResult:
-    """The longest available prefix: `chunks[i]` holds the chunk of `spans[i]`.
-
-    Read a chunk with `ray.get(chunk.ref)[chunk.index]`; fetch the distinct refs of a
-    request with one `ray.get`. `tiers[i]` is where chunk i was found before it was
-    served from CPU.
-    """
-
-    chunks: list[ChunkRef] = field(default_factory=list)
-    hit_tokens: int = 0
-    tiers: list[str] = field(default_factory=list)
-
-    @property
-    def hit_chunks(self) -> int:
-        return len(self.chunks)
-
-    def mask(self, n_chunks: int) -> list[bool]:
-        """Hit mask over the request's chunks (a prefix of True)."""
-        return [i < len(self.chunks) for i in range(n_chunks)]
-
-
-@dataclass(slots=True)
 class _Lookup:
     """A lookup with pins or a prefetch in flight, until its get, unpin or lease end."""
 
@@ -138,87 +112,6 @@ class _Lookup:
     ready: int = 0  # chunks of the prefix ready in CPU
     task: asyncio.Task | None = None
     closed: bool = False
-
-
-class PackedSpans:
-    """A request's spans in a compact wire form: one key identity, the chunk hashes and
-    the token ends. Pickles far faster than a list of `ChunkSpan` (a 512-chunk lookup
-    spends most of its time (de)serialising CacheKeys otherwise); build it with `of`.
-    """
-
-    __slots__ = ("identity", "hashes", "ends")
-
-    def __init__(
-        self, identity: tuple[str, int, int, str], hashes: list[str], ends: list[int]
-    ) -> None:
-        self.identity = identity  # (model_name, world_size, worker_id, kv_dtype)
-        self.hashes = hashes
-        self.ends = ends
-
-    @classmethod
-    def of(cls, spans: Sequence[ChunkSpan]) -> PackedSpans | list[ChunkSpan]:
-        """Pack `spans`; returns them unchanged (a list) if their keys differ in identity."""
-        if not spans:
-            return list(spans)
-        k = spans[0].key
-        identity = (k.model_name, k.world_size, k.worker_id, k.kv_dtype)
-        for s in spans:
-            key = s.key
-            if (key.model_name, key.world_size, key.worker_id, key.kv_dtype) != identity:
-                return list(spans)
-        return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
-
-    def keys(self) -> list[CacheKey]:
-        model, world, worker, dtype = self.identity
-        return [CacheKey(model, world, worker, h, dtype) for h in self.hashes]
-
-    def __len__(self) -> int:
-        return len(self.hashes)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (PackedSpans, (self.identity, self.hashes, self.ends))
-
-
-class BoundedKeySet:
-    """A set of keys holding at most `max_keys`: adding past the cap forgets the keys
-    added (or re-confirmed by `update`) longest ago. Has the set operations the manager's
-    index uses."""
-
-    __slots__ = ("_keys", "max_keys")
-
-    def __init__(self, max_keys: int, keys: Iterable[CacheKey] = ()) -> None:
-        if max_keys < 1:
-            raise InvalidInputError(f"max_keys must be >= 1, got {max_keys}")
-        self.max_keys = max_keys
-        self._keys: OrderedDict[CacheKey, None] = OrderedDict()
-        self.update(keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __iter__(self) -> Iterator[CacheKey]:
-        return iter(self._keys)
-
-    def update(self, keys: Iterable[CacheKey]) -> None:
-        d = self._keys
-        for key in keys:
-            d[key] = None
-            d.move_to_end(key)
-        while len(d) > self.max_keys:
-            d.popitem(last=False)
-
-    def difference_update(self, keys: Iterable[CacheKey]) -> None:
-        for key in keys:
-            self._keys.pop(key, None)
-
-    def intersection(self, keys: Iterable[CacheKey]) -> set[CacheKey]:
-        return {k for k in keys if k in self._keys}
-
-    def clear(self) -> None:
-        self._keys.clear()
 
 
 def _kind(tier: str) -> str:

@@ -40,7 +40,7 @@ APP = "raykv-serve-multinode"
 def served(cluster) -> Iterator[tuple[str, RayKVConfig]]:
     from ray import serve
 
-    from raykv.serve import TINY_MODEL, build_app
+    from raykv.demo.serve_app import TINY_MODEL, build_app
 
     config = {
         "namespace": f"serve-mn-{uuid.uuid4().hex[:8]}",

@@ -24,10 +24,10 @@ import torch
 
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.disk_store import SUFFIX, layout_digest
 from raykv.actors.storage_manager import shutdown_manager
 from raykv.errors import InvalidInputError
 from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, encode
+from raykv.tiers.disk import SUFFIX, layout_digest
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Workers cannot import test modules: ship this module's actors and helpers by value.

@@ -20,12 +20,14 @@ import ray
 import redis
 from raykv_testing import TEST_NAMESPACE, RedisServer
 
-from raykv.actors.disk_store import DiskStoreActor, record_size
+from raykv.actors.disk_store import DiskStoreActor
 from raykv.actors.kv_server import get_or_create_kv_server
-from raykv.actors.remote_store import RemoteStore, RemoteStoreActor
+from raykv.actors.remote_store import RemoteStoreActor
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.disk import record_size
+from raykv.tiers.remote import RemoteStore
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Workers cannot import test modules: ship this module's actors and helpers by value.

@@ -32,11 +32,11 @@ pytest.importorskip("transformers")
 from raykv_testing import RedisServer  # noqa: E402
 
 import raykv  # noqa: E402
-from raykv.actors.gpu_worker import ModelWorker, create_gpu_worker  # noqa: E402
 from raykv.actors.kv_server import get_or_create_kv_server  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
-from raykv.model import greedy_generate, prefill  # noqa: E402
+from raykv.demo.gpu_worker import ModelWorker, create_gpu_worker  # noqa: E402
+from raykv.demo.model import greedy_generate, prefill  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -34,7 +34,7 @@ APP = "raykv-serve-test"
 def served() -> Iterator[tuple[str, str]]:
     from ray import serve
 
-    from raykv.serve import TINY_MODEL, build_app
+    from raykv.demo.serve_app import TINY_MODEL, build_app
 
     namespace = f"serve-{uuid.uuid4().hex[:8]}"
     port = free_port()

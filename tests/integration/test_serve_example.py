@@ -43,7 +43,7 @@ def test_the_example_is_a_serve_config_for_loopback() -> None:
     assert config.http_options.host == "127.0.0.1"
     (app,) = config.applications
     assert app.route_prefix == "/"
-    from raykv.serve import demo_app
+    from raykv.demo.serve_app import demo_app
 
     assert import_attr(app.import_path) is demo_app
 
@@ -60,7 +60,7 @@ def test_the_example_imports_as_a_module_with_an_app() -> None:
 def test_demo_app_checks_its_args() -> None:
     from ray.serve import Application
 
-    from raykv.serve import demo_app
+    from raykv.demo.serve_app import demo_app
 
     assert isinstance(demo_app({"replicas": 1, "router": "random", "model": "tiny"}), Application)
     with pytest.raises(InvalidInputError, match="unknown demo_app args"):

@@ -24,7 +24,7 @@ import ray
 import torch
 
 import raykv
-from raykv.actors.storage_manager import PackedSpans
+from raykv.wire import PackedSpans
 
 C = 16  # tokens per chunk
 LAYERS, HIDDEN = 2, 64

@@ -26,8 +26,9 @@ from soak_workload import C, Corpus, Workload, chunk_tensor, sigkill_actor, wait
 
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.disk_store import SUFFIX
-from raykv.actors.storage_manager import PackedSpans, shutdown_manager
+from raykv.actors.storage_manager import shutdown_manager
+from raykv.tiers.disk import SUFFIX
+from raykv.wire import PackedSpans
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("ray_session")]
 

@@ -38,8 +38,8 @@ from soak_workload import CHUNK_BYTES, C, Corpus, Workload, chunk_tensor, wait_u
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.common import HANDOUT_HOLD_BYTES
-from raykv.actors.disk_store import SUFFIX, TMP_SUFFIX
 from raykv.actors.storage_manager import shutdown_manager
+from raykv.tiers.disk import SUFFIX, TMP_SUFFIX
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("ray_session")]
 

@@ -1,4 +1,4 @@
-"""The benchmark runner (`python -m benchmarks`, `raykv bench`) without running any benchmark.
+"""The benchmark runner (`python -m benchmarks`) without running any benchmark.
 
 The report writer is fed canned outcomes (one ok, one failed, one timed out); the
 process handling is checked with a throw-away module that sleeps past its limit.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import runner
-from raykv import bench_cli, cli
+from raykv import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,19 +216,6 @@ def test_module_help_works() -> None:
     assert res.returncode == 0, res.stderr
     assert "--quick" in res.stdout and "--only" in res.stdout and "--no-write" in res.stdout
     assert "keys, policies, tiers, disk, connector, ttft, cluster" in res.stdout
-
-
-def test_raykv_bench_is_an_alias(capsys) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "--help"])
-    assert exc.value.code == 0
-    assert "usage: raykv bench" in capsys.readouterr().out
-
-
-def test_raykv_bench_outside_a_checkout(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bench_cli, "_checkout_root", lambda: None)
-    assert cli.main(["bench", "--quick"]) == 2
-    assert "source checkout" in capsys.readouterr().err
 
 
 def test_other_subcommands_still_reject_unknown_options() -> None:

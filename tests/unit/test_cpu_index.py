@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from raykv.actors.cpu_store import CPUStore
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.cpu import CPUStore
 
 CHUNK = 1000  # bytes per chunk in these tests
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raykv.actors import disk_store as ds
-from raykv.actors.disk_store import DiskStore, layout_digest
 from raykv.keys import make_key
 from raykv.payload import PayloadMeta
+from raykv.tiers import disk as ds
+from raykv.tiers.disk import DiskStore, layout_digest
 
 
 def key(i: int, model: str = "m"):

@@ -25,11 +25,11 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raykv.actors.disk_store import DiskStore
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError, InvalidInputError, PayloadError
 from raykv.keys import CacheKey, KeyMaker, as_token_array, make_key
 from raykv.payload import MAX_PAYLOAD_BYTES, PayloadMeta, decode, encode, read_header
+from raykv.tiers.disk import DiskStore
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 META = PayloadMeta("float16", (2, 2, 4, 8))
@@ -310,7 +310,7 @@ def test_a_key_with_path_separators_never_becomes_a_path(
 
 
 def _redis_backend(url: str) -> Any:
-    from raykv.remote_backends import RedisBackend
+    from raykv.tiers.remote import RedisBackend
 
     return RedisBackend(url, RayKVConfig(namespace="hostile"), timeout_s=2.0)
 

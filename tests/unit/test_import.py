@@ -33,6 +33,40 @@ def test_version_command_loads_neither_torch_nor_ray():
     assert _fresh(code) == "False False"
 
 
+def test_tier_core_and_wire_records_load_neither_torch_nor_ray():
+    # The tier core is plain Python (tested without Ray); the actors are its shells.
+    code = (
+        "import sys, pkgutil, importlib, raykv.tiers\n"
+        "names = ['raykv.wire'] + ['raykv.tiers.' + m.name for m in "
+        "pkgutil.iter_modules(raykv.tiers.__path__)]\n"
+        "for n in names: importlib.import_module(n)\n"
+        "print(len(names) > 5, 'torch' in sys.modules, 'ray' in sys.modules)"
+    )
+    assert _fresh(code) == "True False False"
+
+
+def test_tier_actors_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import raykv.actors.storage_manager, raykv.actors.cpu_store, raykv.actors.disk_store\n"
+        "import raykv.actors.remote_store, raykv.actors.kv_server, raykv.actors.controller\n"
+        "print('torch' in sys.modules)"
+    )
+    assert _fresh(code) == "False"
+
+
+def test_installed_package_does_not_import_the_repo_benchmarks():
+    code = (
+        "import sys, contextlib, io\n"
+        "from raykv.cli import main\n"
+        "for argv in (['--version'], ['simulate', '--help'], ['config', 'show']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(any(m == 'benchmarks' or m.startswith('benchmarks.') for m in sys.modules))"
+    )
+    assert _fresh(code) == "False"
+
+
 def test_all_lists_exactly_the_lazy_names():
     assert set(raykv.__all__) == {"__version__", *raykv._LAZY}
 

@@ -15,8 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from raykv.keys import KeyMaker  # noqa: E402
-from raykv.model import (  # noqa: E402
+from raykv.demo.model import (  # noqa: E402
     build_demo_model,
     chunks_to_cache,
     greedy_generate,
@@ -24,6 +23,7 @@ from raykv.model import (  # noqa: E402
     prefill,
     prefill_suffix,
 )
+from raykv.keys import KeyMaker  # noqa: E402
 from raykv.payload import buffer_to_tensor, decode, encode, tensor_to_buffer  # noqa: E402
 
 SUFFIX = 256

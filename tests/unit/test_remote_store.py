@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from raykv.actors import remote_store as rs
-from raykv.actors.base import PutAck
-from raykv.actors.kv_server import KVServerState
-from raykv.actors.remote_store import RemoteStore
 from raykv.config import RayKVConfig
 from raykv.keys import make_key
 from raykv.payload import PayloadMeta
+from raykv.tiers import remote as rs
+from raykv.tiers.kv_server import KVServerState
+from raykv.tiers.remote import RemoteStore
+from raykv.wire import PutAck
 
 
 def key(i: int):
@@ -123,7 +123,7 @@ def test_failures_never_raise_and_never_show_the_password(caplog, monkeypatch) -
 
 def test_unknown_scheme_lists_the_known_ones() -> None:
     from raykv.errors import InvalidInputError
-    from raykv.remote_backends import make_backend
+    from raykv.tiers.remote import make_backend
 
     cfg = RayKVConfig()
     with pytest.raises(InvalidInputError, match="known: ray, redis, rediss"):

@@ -44,7 +44,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # an install hint, not a traceback
-        raise ImportError('raykv.model needs transformers: pip install "raykv[demo]"') from exc
+        raise ImportError('raykv.demo.model needs transformers: pip install "raykv[demo]"') from exc
     return transformers
 
 

@@ -1,43 +1,67 @@
-"""Back ends of the remote tier, chosen by the scheme of `remote_url`.
+"""The remote tier: `RemoteStore` (timeouts, error counting, back-off) over a back end
+chosen by the scheme of `remote_url`. No Ray import: `RayServerBackend` only calls actor
+handles (awaiting their refs), and `ray.ObjectRef`s in a put batch are resolved only when
+Ray is loaded.
 
 * `ray://NAME` -> `RayServerBackend`: calls a named detached `KVServer` actor.
 * `redis://[[user]:password@]host:port/db`, `rediss://...` -> `RedisBackend`: a real
   Redis/Valkey server through `redis.asyncio`; values are `raykv.payload` codec records
   with the key string embedded, checked on read (no pickle anywhere).
 
-Back ends raise on failure; `raykv.actors.remote_store.RemoteStore` wraps every call in
-a timeout and turns errors into misses.
+Back ends raise on failure; `RemoteStore` wraps every call in a timeout and turns errors
+into misses: an unreachable, slow or broken remote costs misses, never exceptions. A
+failure counts in `raykv_remote_errors` and opens a short back-off window (0.1 s doubling
+to 2 s) during which calls answer "miss" at once; after it one trial call goes to the
+server (half-open), and its success closes the breaker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import numpy as np
-import ray
 
-from raykv.actors.base import PutAck
-from raykv.actors.common import check_put_lengths
+from raykv import metrics
 from raykv.config import mask_url
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, decode, encode
+from raykv.tiers.budget import check_put_lengths
+from raykv.wire import TIER_REMOTE, PutAck
 
 logger = logging.getLogger(__name__)
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _SCAN_COUNT = 1000
 _DELETE_BATCH = 512
+T = TypeVar("T")
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 2.0
+# A put may take lookup_timeout plus this much per byte (a slow link still gets to finish).
+PUT_BYTES_PER_S = 100e6
+
+
+def _object_ref_type() -> type | None:
+    ray = sys.modules.get("ray")  # a batch can hold ObjectRefs only if Ray is loaded
+    return getattr(ray, "ObjectRef", None)
 
 
 async def resolve_batch_async(batch: Any) -> list[np.ndarray]:
     """The arrays of a put: `[ObjectRef]` holding `list[np.ndarray]`, or arrays by value."""
-    if isinstance(batch, ray.ObjectRef):
+    ref_type = _object_ref_type()
+    if ref_type is None:
+        return list(batch)
+    if isinstance(batch, ref_type):
         batch = [batch]
     batch = list(batch)
-    if batch and all(isinstance(b, ray.ObjectRef) for b in batch):
+    if batch and all(isinstance(b, ref_type) for b in batch):
         parts = await asyncio.gather(*batch)
         return [array for part in parts for array in part]
     return batch
@@ -266,6 +290,164 @@ class RayServerBackend:
         return None
 
 
+class RemoteStore:
+    """The remote tier's logic: a back end behind timeouts, error counting and back-off.
+
+    Every public method is a coroutine that never raises for a remote failure; it returns
+    what a miss looks like instead (False, None, an empty array, a PutAck that skipped).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        backend: RemoteBackend | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        url = config.remote_url
+        if not url:
+            raise InvalidInputError("remote_url is not set; the remote tier is disabled")
+        self.url = mask_url(url)
+        self._secret = urlsplit(url).password if "://" in url else None
+        self.timeout_s = timeout_s if timeout_s is not None else config.lookup_timeout_ms / 1000
+        self._backend = backend or make_backend(url, config, self.timeout_s)
+        self._scheme = self._backend.scheme
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._healthy = True
+        self._trial = False  # a half-open trial call is in flight
+        self._server_id = ""  # last identity the server reported
+        self._counts = dict.fromkeys(("hits", "misses", "errors", "skipped_while_down"), 0)
+        self.incarnation = uuid.uuid4().hex
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url!r})"
+
+    # ----- failure handling -----
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+    async def _call(
+        self, op: str, fn: Callable[[], Awaitable[T]], miss: T, timeout: float | None = None
+    ) -> T:
+        """Run `fn()` within the timeout; on any failure count it and return `miss`.
+
+        While backing off, and while a half-open trial call is in flight, answers `miss`
+        at once without calling the server.
+        """
+        trial = False
+        if self._backoff:
+            if self._trial or time.monotonic() < self._retry_at:
+                self._counts["skipped_while_down"] += 1
+                return miss
+            trial = self._trial = True
+        try:
+            result = await asyncio.wait_for(fn(), timeout or self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(op, exc)
+            return miss
+        finally:
+            if trial:
+                self._trial = False
+        if not self._healthy:
+            logger.info("remote tier %s is reachable again", self.url)
+            self._healthy = True
+        self._backoff = 0.0
+        return result
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self._counts["errors"] += 1
+        metrics.inc("raykv_remote_errors", 1, backend=self._scheme)
+        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._backoff))
+        self._retry_at = time.monotonic() + self._backoff
+        reason = self._scrub(f"{type(exc).__name__}: {exc}")
+        if self._healthy:
+            logger.warning(
+                "remote tier %s failed on %s (%s); serving misses, retrying in %.1f s",
+                self.url,
+                op,
+                reason,
+                self._backoff,
+            )
+            self._healthy = False
+        else:
+            logger.debug("remote tier %s still failing on %s: %s", self.url, op, reason)
+
+    # ----- LowerTier -----
+
+    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+        """Store chunks (the first value of a key wins); a failure skips them all."""
+        if not keys:
+            return PutAck()
+        nbytes = sum(m.nbytes for m in metas)
+        timeout = self.timeout_s + nbytes / PUT_BYTES_PER_S
+        return await self._call(
+            "put",
+            lambda: self._backend.put(list(keys), list(metas), batch),
+            PutAck(skipped=list(keys)),
+            timeout,
+        )
+
+    async def get_batch(
+        self, keys: list[CacheKey]
+    ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
+        """Metas (None = miss) and arrays (empty = miss)."""
+        n = len(keys)
+        metas, arrays = await self._call(
+            "get", lambda: self._backend.get_batch(list(keys)), ([None] * n, [_EMPTY] * n)
+        )
+        hits = sum(m is not None for m in metas)
+        self._counts["hits"] += hits
+        self._counts["misses"] += n - hits
+        return metas, arrays
+
+    async def contains(self, keys: list[CacheKey]) -> list[bool]:
+        return await self._call(
+            "contains", lambda: self._backend.contains(list(keys)), [False] * len(keys)
+        )
+
+    async def remove(self, keys: list[CacheKey]) -> int:
+        return await self._call("remove", lambda: self._backend.remove(list(keys)), 0)
+
+    async def keys(self) -> list[CacheKey]:
+        return await self._call("keys", self._backend.keys, [])
+
+    async def clear(self) -> None:
+        await self._call("clear", self._backend.clear, None)
+
+    async def stats(self) -> dict[str, Any]:
+        backend = await self._call("stats", self._backend.stats, {})
+        return {
+            "tier": TIER_REMOTE,
+            "url": self.url,
+            "backend": self._scheme,
+            "healthy": self._healthy,
+            "incarnation": self.incarnation,
+            **backend,
+            **self._counts,
+        }
+
+    async def identity(self) -> str:
+        """`<this store's id>:<the server's id>`; the server's part changes when it restarts.
+
+        An unreachable server keeps its last known id (an outage is not a restart).
+        """
+        ask = getattr(self._backend, "server_id", None)
+        server_id = await self._call("identity", ask, None) if ask is not None else None
+        if server_id:
+            self._server_id = str(server_id)
+        return f"{self.incarnation}:{self._server_id}"
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self._backend.close(), self.timeout_s)
+        except Exception as exc:
+            logger.debug("remote tier %s: close failed: %s", self.url, self._scrub(str(exc)))
+
+
 # scheme -> back end class (a registry, not if/elif).
 BACKENDS: dict[str, type] = {
     "ray": RayServerBackend,
@@ -288,6 +470,7 @@ def make_backend(url: str, config: Any, timeout_s: float) -> RemoteBackend:
 
 __all__ = [
     "BACKENDS",
+    "RemoteStore",
     "RayServerBackend",
     "RedisBackend",
     "RemoteBackend",

@@ -1,0 +1,363 @@
+"""The CPU tier's bookkeeping: which batch object holds each chunk, the byte budget, the
+eviction policy, pins and leases. Objects are opaque handles here; the Ray actor shell
+(`raykv.actors.cpu_store`) makes and frees them.
+
+Budget: objects are whole request batches, so the store counts *physical* bytes: a batch
+is charged in full until its last live chunk is evicted. Inserting a request's chunks
+deepest-first and touching them the same way (prefix-closed) makes the deep chunks of one
+request leave together, which keeps the gap between physical and live bytes
+(`fragmentation` in `stats()`) small.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from raykv.keys import CacheKey
+from raykv.payload import PayloadMeta
+from raykv.policies import make_policy, touch_prefix
+from raykv.wire import TIER_CPU, ChunkRef
+
+# A policy's `capacity` is an object count; size it for chunks of about this many bytes.
+_TYPICAL_CHUNK_BYTES = 1 << 20
+# How long a released lookup id is remembered (capped by the lease), so late pins are no-ops.
+CLOSED_LOOKUP_SECS = 60.0
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One Ray object holding `list[np.ndarray]`; freed when its last live chunk goes."""
+
+    ref: Any
+    nbytes: int
+    live: int = 0
+    pins: int = 0  # pins held on its chunks: a batch with any pinned chunk is not evictable
+
+
+@dataclass(slots=True)
+class _Entry:
+    batch: _Batch
+    chunk: ChunkRef
+    nbytes: int
+    pins: int = 0
+
+
+@dataclass(slots=True)
+class _Lease:
+    deadline: float
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class CPUStore:
+    """The CPU tier's index: key -> (batch object, index, meta, bytes, pins).
+
+    Not thread-safe; the actor calls it from its event loop only.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str = "lru",
+        *,
+        policy_capacity: int | None = None,
+        lease_secs: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_release: Callable[[Any, int], None] | None = None,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity = int(capacity_bytes)
+        self.policy_name = policy
+        n_objects = policy_capacity or max(1024, self.capacity // _TYPICAL_CHUNK_BYTES)
+        self._policy = make_policy(policy, n_objects)
+        self._entries: dict[CacheKey, _Entry] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._lease_secs = lease_secs
+        # Lookup ids already released, with when to forget them (insertion order is expiry
+        # order). The manager sends pin and unpin without waiting and an async actor does
+        # not keep their order: a pin arriving after its unpin must not open a new lease.
+        self._closed: dict[str, float] = {}
+        self._closed_secs = min(lease_secs, CLOSED_LOOKUP_SECS)
+        self._clock = clock
+        self._on_release = on_release  # gets (ref, bytes) of each batch the index lets go
+        self.used_bytes = 0  # physical: sum of the sizes of live batches
+        self.pinned_bytes = 0  # physical bytes of live batches with a pinned chunk
+        self.live_bytes = 0  # sum of the sizes of indexed chunks
+        self.reserved_bytes = 0  # promised to puts whose re-put is still running
+        self.batches = 0
+        self.evictions = 0
+        self.skipped = 0
+        self.expired_leases = 0
+
+    # ----- queries -----
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[CacheKey]:
+        return list(self._entries)
+
+    def chunk_refs(self, keys: Sequence[CacheKey]) -> list[ChunkRef | None]:
+        """The `ChunkRef` of each key, None where absent."""
+        entries = self._entries
+        return [e.chunk if (e := entries.get(k)) is not None else None for k in keys]
+
+    def snapshot(self) -> dict[CacheKey, ChunkRef]:
+        """Every cached key with its `ChunkRef` (for a manager rebuilding its index)."""
+        return {k: e.chunk for k, e in self._entries.items()}
+
+    def pins(self, key: CacheKey) -> int:
+        entry = self._entries.get(key)
+        return entry.pins if entry is not None else 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes - self.reserved_bytes
+
+    @property
+    def obtainable_bytes(self) -> int:
+        """Free bytes plus what evicting every evictable batch would give back."""
+        return self.capacity - self.reserved_bytes - self.pinned_bytes
+
+    # ----- allocation -----
+
+    def _can_evict(self, key: CacheKey) -> bool:
+        # Memory is charged per batch: evicting a chunk whose batch has a pinned chunk
+        # frees nothing, so such a batch's chunks all stay.
+        return self._entries[key].batch.pins == 0
+
+    def make_room(self, nbytes: int) -> tuple[bool, list[CacheKey]]:
+        """Evict unpinned batches' entries by policy until `nbytes` fit; (fits, evicted).
+
+        Never evicts a pinned entry nor a sibling of one (that would free no memory),
+        and evicts nothing at all when even evicting everything evictable would not
+        make `nbytes` fit.
+        """
+        evicted: list[CacheKey] = []
+        if nbytes > self.obtainable_bytes:
+            return False, evicted
+        while self.free_bytes < nbytes:
+            victims = self._policy.evict(1, self._can_evict)
+            if not victims:
+                return False, evicted
+            for key in victims:
+                self._drop(key)
+                evicted.append(key)
+        return True, evicted
+
+    def allocate(self, sizes: Sequence[int], *, partial: bool) -> tuple[int, list[CacheKey]]:
+        """Make room for chunks of `sizes` and reserve it; (how many fit, evicted keys).
+
+        All or nothing unless `partial`, which takes the longest prefix that fits
+        (earlier chunks of a request are worth more: later ones need them).
+        """
+        total = sum(sizes)
+        fits, evicted = self.make_room(total)
+        if fits:
+            self.reserved_bytes += total
+            return len(sizes), evicted
+        if not partial:
+            return 0, evicted
+        n, room, taken = 0, self.obtainable_bytes, 0
+        while n < len(sizes) and taken + sizes[n] <= room:
+            taken += sizes[n]
+            n += 1
+        if taken:
+            fits, more = self.make_room(taken)
+            evicted += more
+            if not fits:  # pragma: no cover - obtainable_bytes said it would fit
+                return 0, evicted
+        self.reserved_bytes += taken
+        return n, evicted
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that will not be committed."""
+        self.reserved_bytes -= nbytes
+
+    def commit(
+        self,
+        ref: Any,
+        keys: Sequence[CacheKey],
+        metas: Sequence[PayloadMeta],
+        indices: Sequence[int] | None = None,
+        *,
+        batch_bytes: int | None = None,
+        reserved: int = 0,
+        lookup_id: str | None = None,
+    ) -> dict[CacheKey, ChunkRef]:
+        """Index `keys[i]` as chunk `indices[i]` of the batch object `ref`.
+
+        `batch_bytes` is the object's physical size (default: the chunks' sizes);
+        `reserved` the reservation it replaces. Keys already cached keep their first
+        copy, and a key repeated in `keys` is indexed once. Chunks go into the policy
+        deepest first, so the first chunk of a request is the most recently used. With
+        `lookup_id` the new entries are pinned under it at once (a prefetch must not
+        lose them before its get), unless that lookup was already released. Returns
+        the entries added.
+        """
+        indices = range(len(keys)) if indices is None else indices
+        entries = self._entries
+        new = []
+        seen: set[CacheKey] = set()
+        for k, m, i in zip(keys, metas, indices, strict=True):
+            if k not in entries and k not in seen:
+                seen.add(k)
+                new.append((k, m, i))
+        self.reserved_bytes -= reserved
+        if not new:
+            return {}
+        size = sum(m.nbytes for _, m, _ in new) if batch_bytes is None else batch_bytes
+        batch = _Batch(ref, size, live=len(new))
+        self.used_bytes += size
+        self.batches += 1
+        out: dict[CacheKey, ChunkRef] = {}
+        for key, meta, index in new:
+            chunk = ChunkRef(ref, index, meta)
+            self._entries[key] = _Entry(batch, chunk, meta.nbytes)
+            self.live_bytes += meta.nbytes
+            out[key] = chunk
+        for key, _, _ in reversed(new):
+            self._policy.insert(key)
+        if lookup_id is not None:
+            self.pin(lookup_id, list(out))
+        return out
+
+    def _drop(self, key: CacheKey) -> None:
+        entry = self._entries.pop(key)
+        self.live_bytes -= entry.nbytes
+        batch = entry.batch
+        batch.live -= 1
+        if batch.live == 0:
+            self.used_bytes -= batch.nbytes
+            if batch.pins:  # removed while pinned: its bytes are no longer charged
+                self.pinned_bytes -= batch.nbytes
+            self.batches -= 1
+            if self._on_release is not None:
+                self._on_release(batch.ref, batch.nbytes)
+            batch.ref = None  # the store's reference goes; Ray frees the object
+        self.evictions += 1
+
+    def remove(self, keys: Sequence[CacheKey]) -> int:
+        """Drop keys (pinned or not); returns how many were held."""
+        n = 0
+        for key in keys:
+            if key in self._entries:
+                self._policy.remove(key)
+                self._drop(key)
+                self.evictions -= 1  # an explicit removal is not an eviction
+                n += 1
+        return n
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._leases.clear()
+        self._policy.clear()
+        self.used_bytes = self.live_bytes = self.batches = self.pinned_bytes = 0
+
+    # ----- pins, leases, touches -----
+
+    def pin(self, lookup_id: str, keys: Sequence[CacheKey], lease_secs: float | None = None) -> int:
+        """Pin the cached `keys` under `lookup_id` until `unpin` or the lease ends.
+
+        A no-op (0) for a lookup already released: its pin lost the race with its unpin.
+        """
+        if lookup_id in self._closed:
+            return 0
+        lease = self._leases.get(lookup_id)
+        deadline = self._clock() + (self._lease_secs if lease_secs is None else lease_secs)
+        if lease is None:
+            lease = self._leases[lookup_id] = _Lease(deadline)
+        lease.deadline = max(lease.deadline, deadline)
+        n = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.pins += 1
+                batch = entry.batch
+                batch.pins += 1
+                if batch.pins == 1 and batch.live:
+                    self.pinned_bytes += batch.nbytes
+                lease.entries.append(entry)
+                n += 1
+        return n
+
+    def unpin(self, lookup_id: str) -> int:
+        """Release every pin taken under `lookup_id`; returns how many.
+
+        The id is remembered as closed for a while: a later `pin` or pinning commit
+        under it is ignored (it arrived after this unpin).
+        """
+        self._closed.pop(lookup_id, None)  # re-insert: insertion order is expiry order
+        self._closed[lookup_id] = self._clock() + self._closed_secs
+        lease = self._leases.pop(lookup_id, None)
+        if lease is None:
+            return 0
+        # The lease holds the entries it pinned, so a key evicted and re-added since
+        # is not unpinned by mistake.
+        for entry in lease.entries:
+            entry.pins -= 1
+            batch = entry.batch
+            batch.pins -= 1
+            if batch.pins == 0 and batch.live:
+                self.pinned_bytes -= batch.nbytes
+        return len(lease.entries)
+
+    def is_closed(self, lookup_id: str) -> bool:
+        return lookup_id in self._closed
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Unpin leases past their deadline (their client died or forgot); their ids.
+
+        Also forgets released lookup ids older than their retention.
+        """
+        now = self._clock() if now is None else now
+        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lookup_id in expired:
+            self.unpin(lookup_id)
+        self.expired_leases += len(expired)
+        closed = self._closed
+        while closed:
+            lookup_id, until = next(iter(closed.items()))
+            if until > now:
+                break
+            del closed[lookup_id]
+        return expired
+
+    def next_lease_deadline(self) -> float | None:
+        return min((lease.deadline for lease in self._leases.values()), default=None)
+
+    def touch(self, keys: Sequence[CacheKey]) -> None:
+        """Apply a request's hits at once, prefix-closed (the first chunk ends most recent)."""
+        touch_prefix(self._policy, keys)
+
+    # ----- reporting -----
+
+    def stats(self) -> dict[str, Any]:
+        pinned = sum(1 for e in self._entries.values() if e.pins)
+        return {
+            "tier": TIER_CPU,
+            "policy": self.policy_name,
+            "entries": len(self._entries),
+            "used_bytes": self.used_bytes,
+            "live_bytes": self.live_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "capacity_bytes": self.capacity,
+            "batches": self.batches,
+            "fragmentation": 1.0 - self.live_bytes / self.used_bytes if self.used_bytes else 0.0,
+            "pinned_entries": pinned,
+            "pinned_bytes": self.pinned_bytes,
+            "leases": len(self._leases),
+            "closed_lookups": len(self._closed),
+            "evictions": self.evictions,
+            "skipped": self.skipped,
+            "expired_leases": self.expired_leases,
+        }
+
+
+__all__ = ["CLOSED_LOOKUP_SECS", "CPUStore"]

@@ -1,0 +1,848 @@
+"""L2: the local disk tier. One file per chunk, written in the background, atomic, checksummed.
+
+Layout (diskcache-like)::
+
+    <local_disk>/<layout digest>/<first 2 hex digits of the chunk hash>/<key string>.rkv
+
+The layout digest covers (model_name, layout, kv_dtype, chunk_size), so two models or
+chunkings never mix. A file holds one `raykv.payload` codec record (header with the key
+string and checksums, then the raw bytes). It is written to a hidden temp file in the
+same directory and renamed into place with `os.replace`, so a visible `.rkv` file is
+always complete; a crash leaves at most a temp file, which `check(fix=True)` removes.
+
+`DiskStore` is a plain, thread-safe class that does all the work (unit-tested without
+Ray); `DiskStoreActor` is a thin threaded Ray actor around one instance. The lock only
+guards the in-memory index: no file I/O and no waiting happens while it is held.
+Whoever is about to unlink a key's final file marks the key "deleting" first, and a put
+of a deleting key is skipped, so an unlink never races with a new write of the same key.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import re
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from raykv import metrics
+from raykv.errors import ConfigError, InvalidInputError, PayloadError
+from raykv.keys import CacheKey
+from raykv.payload import (
+    LAYOUT_KV_2LTD,
+    MAX_PAYLOAD_BYTES,
+    PayloadMeta,
+    decode,
+    encode_parts,
+    read_header,
+)
+from raykv.tiers.budget import DEFAULT_EXPECTED_CHUNK_BYTES, ByteBudgetIndex, check_put_lengths
+from raykv.wire import TIER_DISK, PutAck
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".rkv"
+TMP_SUFFIX = ".tmp"
+LAYOUT_FILE = "raykv-layout.json"
+SHARD_CHARS = 2  # one level of 256 shard directories: ~400 files each at 100k chunks
+# Batches whose chunks average at least this many bytes are read on the read pool.
+PARALLEL_READ_BYTES = 512 << 10
+_HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+_EMPTY = np.empty(0, dtype=np.uint8)
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def layout_digest(model_name: str, layout: str, kv_dtype: str, chunk_size: int) -> str:
+    """16 hex digits naming the directory of one (model, layout, dtype, chunk size)."""
+    text = "\x00".join((model_name, layout, kv_dtype, str(chunk_size)))
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=256)
+def _header_len(dtype: str, shape0: int, ndim: int, layout: str, key: str) -> int:
+    # The header's length depends on ndim and the key only: encode an empty probe.
+    shape = (shape0,) + (0,) * (ndim - 1) if ndim > 1 else (0,) * ndim
+    head, _ = encode_parts(_EMPTY, PayloadMeta(dtype, shape, layout), key)
+    return len(head)
+
+
+def record_size(meta: PayloadMeta, key: CacheKey) -> int:
+    """Bytes of the file holding one chunk: codec header plus body."""
+    shape0 = meta.shape[0] if meta.shape else 0
+    return _header_len(meta.dtype, shape0, len(meta.shape), meta.layout, key.to_string()) + (
+        meta.nbytes
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """A write in flight: the caller's array is held until the file is complete."""
+
+    key: CacheKey
+    meta: PayloadMeta
+    array: np.ndarray | None
+    reserved: int
+    tmp_path: str
+    cancelled: bool = False
+
+
+def _write_all(fd: int, data: Any) -> None:
+    """Write every byte of `data` to `fd` (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
+    """Create `path` exclusively and write `parts` to it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        for part in parts:
+            _write_all(fd, part)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# Enough bytes for any codec header (fixed part, 8 dims, a 1 KiB key, checksum).
+_HEADER_PREFIX = 4096
+
+
+def check_owner(path: str) -> None:
+    """Raise `ConfigError` if `path` exists and another user owns it (see `_private_dir`)."""
+    try:
+        uid = os.stat(path).st_uid
+    except FileNotFoundError:
+        return
+    if uid != os.geteuid():
+        raise ConfigError(
+            f"disk tier directory {path} is owned by uid {uid}, not by this user "
+            f"(uid {os.geteuid()}): refusing to keep KV there; point local_disk at a "
+            "directory of your own"
+        )
+
+
+def _private_dir(path: str, *, restrict: bool = True) -> None:
+    """Create `path` (and missing parents) readable by this user only; refuse a directory
+    another user owns (who could read the KV, or plant files for us to serve).
+
+    `restrict` also narrows an existing directory to 0700 (for directories raykv owns,
+    not for a `local_disk` root the user picked).
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    check_owner(path)
+    if restrict and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> bool:
+    """Remove a file; False if it was already gone or could not be removed."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("cannot remove %s: %s", path, exc)
+        return False
+
+
+def _open_regular(path: str) -> Any:
+    """Open `path` for reading only if it is a regular file, never following a symlink and
+    never blocking (a FIFO or device dropped under a chunk's name is refused, not read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PayloadError("not a regular file")
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_file(
+    path: str, expected_size: int | None = None, max_nbytes: int = MAX_PAYLOAD_BYTES
+) -> np.ndarray:
+    """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
+
+    Nothing is allocated for the body before the header is read and checked: a file
+    whose size is not `expected_size` (the size the index recorded), whose header does
+    not parse, declares more than `max_nbytes`, or does not match the file's size is
+    refused after reading at most `_HEADER_PREFIX` bytes (a planted huge file must not
+    be read into memory).
+    """
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
+        head = f.read(min(size, _HEADER_PREFIX))
+        header = read_header(head, max_nbytes)
+        if header.header_len + header.nbytes != size:
+            raise PayloadError(
+                f"file has {size} bytes, its header declares {header.header_len} + {header.nbytes}"
+            )
+        buf = np.empty(size, dtype=np.uint8)
+        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        view = memoryview(buf)
+        done = len(head)
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                raise PayloadError(f"file shrank while reading: {done} of {size} bytes")
+            done += n
+    return buf
+
+
+def _file_name(key: CacheKey) -> str:
+    """`key.to_string()`, checked to be one safe path component.
+
+    `CacheKey`'s constructor does not validate (it is on the hot path), so a key built by
+    hand, or sent by a hostile client, could carry a path separator in its hash or dtype.
+    """
+    text = key.to_string()
+    if not _HEX32.match(key.chunk_hash) or "/" in text or "\\" in text or "\x00" in text:
+        raise InvalidInputError(f"not a valid chunk key for a file name: {text!r:.120}")
+    return text
+
+
+class _KeyParser:
+    """Parses file names back to keys; caches the (model, world, worker, dtype) part."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, str], tuple[str, int, int]] = {}
+
+    def __call__(self, text: str) -> CacheKey | None:
+        head, _, rest = text.rpartition("@")  # rest = dtype
+        head, _, chunk_hash = head.rpartition("@")
+        cached = self._heads.get((head, rest))
+        if cached is None:
+            try:
+                key = CacheKey.from_string(text)
+            except (InvalidInputError, ValueError):
+                return None
+            self._heads[(head, rest)] = (key.model_name, key.world_size, key.worker_id)
+            return key
+        if not _HEX32.match(chunk_hash):
+            return None
+        return CacheKey(cached[0], cached[1], cached[2], chunk_hash, rest)
+
+
+class DiskStore:
+    """The disk tier's logic: index, byte budget, policy, background writer, reader.
+
+    Thread-safe. `put` admits chunks synchronously (evicting files to make room, so the
+    evicted keys come back in the `PutAck`) and writes them on a bounded thread pool; a
+    key becomes visible to `contains`/`get` only once its file is complete. A corrupt,
+    truncated or vanished file is a miss (and is removed), never an exception.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        model_name: str = "default",
+        kv_dtype: str = "bfloat16",
+        chunk_size: int = 256,
+        layout: str = LAYOUT_KV_2LTD,
+        policy: str = "lru",
+        write_workers: int = 2,
+        max_pending_writes: int = 64,
+        fsync: bool = False,
+        queue_wait_s: float = 1.0,
+        expected_chunk_bytes: int = DEFAULT_EXPECTED_CHUNK_BYTES,
+        read_workers: int = 2,
+    ) -> None:
+        if write_workers < 1 or max_pending_writes < 1:
+            raise InvalidInputError(
+                f"write_workers={write_workers} and max_pending_writes={max_pending_writes} "
+                "must both be >= 1"
+            )
+        self.directory = os.path.join(
+            os.path.abspath(os.fspath(root_dir)),
+            layout_digest(model_name, layout, kv_dtype, chunk_size),
+        )
+        self._layout = {
+            "model_name": model_name,
+            "layout": layout,
+            "kv_dtype": kv_dtype,
+            "chunk_size": chunk_size,
+        }
+        self._fsync = fsync
+        self._queue_wait_s = queue_wait_s
+        self._index = ByteBudgetIndex(capacity_bytes, policy, expected_chunk_bytes)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: dict[CacheKey, _Pending] = {}
+        self._deleting: set[CacheKey] = set()
+        self._finishing = 0  # cancelled writes whose file is still being removed
+        self._slots = threading.BoundedSemaphore(max_pending_writes)
+        self._pool = ThreadPoolExecutor(write_workers, thread_name_prefix="raykv-disk-write")
+        self._read_pool = (
+            ThreadPoolExecutor(read_workers, thread_name_prefix="raykv-disk-read")
+            if read_workers > 1
+            else None
+        )
+        self._parse = _KeyParser()
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "evictions", "errors", "skipped", "stored_bytes"), 0
+        )
+        self.incarnation = uuid.uuid4().hex
+        self._closed = False
+        _private_dir(os.path.dirname(self.directory), restrict=False)
+        _private_dir(self.directory)
+        self._write_layout_file()
+        self._rebuild()
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> DiskStore:
+        """A store for `config.local_disk` sized by `max_local_disk_size`.
+
+        `extra_config` may set `disk_fsync` (bool) and `disk_queue_wait_secs` (float).
+        """
+        if not config.local_disk:
+            raise InvalidInputError("local_disk is not set; the disk tier is disabled")
+        extra = config.extra_config
+        kwargs: dict[str, Any] = {
+            "model_name": config.model_name,
+            "kv_dtype": config.kv_dtype,
+            "chunk_size": config.chunk_size,
+            "policy": config.policy_for(TIER_DISK),
+            "write_workers": config.disk_write_workers,
+            "max_pending_writes": config.disk_max_pending_writes,
+            "fsync": bool(extra.get("disk_fsync", False)),
+            "queue_wait_s": float(extra.get("disk_queue_wait_secs", 1.0)),
+        }
+        kwargs.update(overrides)
+        return cls(config.local_disk, config.max_local_disk_bytes, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskStore({self.directory!r}, entries={len(self._index)}, "
+            f"used={self._index.used}/{self._index.capacity})"
+        )
+
+    # ----- paths -----
+
+    def path_of(self, key: CacheKey) -> str:
+        """The final file of `key`; `InvalidInputError` for a key that is no safe file name."""
+        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], _file_name(key) + SUFFIX)
+
+    def _tmp_path(self, key: CacheKey) -> str:
+        name = f".{_file_name(key)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], name)
+
+    def _write_layout_file(self) -> None:
+        path = os.path.join(self.directory, LAYOUT_FILE)
+        if os.path.exists(path):
+            return
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self._layout, f)
+            os.replace(tmp, path)
+        except OSError as exc:  # informational only
+            logger.debug("cannot write %s: %s", path, exc)
+            _unlink(tmp)
+
+    # ----- rebuild and check -----
+
+    def _scan(self) -> Iterable[tuple[os.DirEntry[str], os.DirEntry[str]]]:
+        """(shard dir, file) entries of every shard directory, names only (no stat)."""
+        try:
+            shards = [e for e in os.scandir(self.directory) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            if len(shard.name) != SHARD_CHARS:
+                continue
+            try:
+                with os.scandir(shard.path) as it:
+                    for entry in it:
+                        yield shard, entry
+            except FileNotFoundError:
+                continue
+
+    def _rebuild(self) -> None:
+        """Rebuild the index from names and sizes (no file bodies are read)."""
+        found: list[tuple[float, CacheKey, int]] = []
+        temps = bad = 0
+        for _, entry in self._scan():
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                temps += 1
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            key = self._parse(name[: -len(SUFFIX)])
+            if key is None:
+                bad += 1
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device: never ours
+                bad += 1
+                continue
+            found.append((st.st_mtime, key, st.st_size))
+        found.sort(key=lambda item: item[0])  # oldest first, so LRU order survives a restart
+        for _, key, size in found:
+            self._index.add(key, size)
+        victims = self._index.shrink()
+        for key, _ in victims:
+            _unlink(self.path_of(key))
+        self._count("evictions", len(victims))
+        if temps or bad:
+            logger.info(
+                "disk tier %s: %d temp files and %d unparsable names left; run check(fix=True)",
+                self.directory,
+                temps,
+                bad,
+            )
+        logger.info(
+            "disk tier %s: reopened %d chunks, %d bytes",
+            self.directory,
+            len(self._index),
+            self._index.used,
+        )
+        self._publish()
+
+    def check(self, fix: bool = True, deep: bool = False) -> dict[str, Any]:
+        """Reconcile the index with the files and return what was found (and fixed).
+
+        Finds temp files left by a crash, files with unparsable names or bad headers
+        (all bodies too when `deep`), index entries whose file is gone, and complete
+        files missing from the index. With `fix`, removes the bad files and temp files,
+        drops dead entries, adopts unindexed files and evicts down to capacity.
+        """
+        report = dict.fromkeys(
+            ("files", "temp_files", "bad_files", "missing_files", "adopted", "unknown_files"), 0
+        )
+        seen: set[CacheKey] = set()
+        for _, entry in self._scan():
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                with self._lock:
+                    ours = any(p.tmp_path == entry.path for p in self._pending.values())
+                if not ours:
+                    report["temp_files"] += 1
+                    if fix:
+                        _unlink(entry.path)
+                continue
+            if not name.endswith(SUFFIX):
+                report["unknown_files"] += 1
+                continue
+            report["files"] += 1
+            key = self._parse(name[: -len(SUFFIX)])
+            problem = "unparsable name" if key is None else self._verify(entry.path, key, deep)
+            if problem is not None:
+                report["bad_files"] += 1
+                logger.warning("disk tier: bad file %s: %s", entry.path, problem)
+                if fix:
+                    if key is None:
+                        _unlink(entry.path)
+                    else:
+                        self._drop(key, unlink=True)
+                continue
+            assert key is not None
+            seen.add(key)
+            if fix:
+                report["adopted"] += self._adopt(key, entry)
+        with self._lock:
+            unseen = [k for k in self._index.keys() if k not in seen]
+        for key in unseen:
+            if not os.path.exists(self.path_of(key)):
+                report["missing_files"] += 1
+                if fix:
+                    self._drop(key, unlink=False)
+        if fix:
+            with self._lock:
+                victims = self._index.shrink()
+                self._deleting.update(k for k, _ in victims)
+            self._unlink_keys([k for k, _ in victims])
+            self._count("evictions", len(victims))
+        with self._lock:
+            report["entries"] = len(self._index)
+            report["used_bytes"] = self._index.used
+        self._publish()
+        return report
+
+    def _verify(self, path: str, key: CacheKey, deep: bool) -> str | None:
+        """Why the file at `path` is not a valid record of `key`, or None if it is."""
+        try:
+            if deep:
+                decode(_read_file(path, None, self._index.capacity), key.to_string(), key.kv_dtype)
+                return None
+            with _open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(_HEADER_PROBE)
+            header = read_header(head)
+        except FileNotFoundError:
+            return None  # removed meanwhile: nothing to fix here
+        except (OSError, PayloadError) as exc:
+            return str(exc)
+        if header.key != key.to_string():
+            return f"header names key {header.key!r:.80}"
+        if header.meta.dtype != key.kv_dtype:
+            return f"header declares {header.meta.dtype} KV, the key {key.kv_dtype}"
+        if header.header_len + header.nbytes != size:
+            return f"size {size} != {header.header_len + header.nbytes} declared"
+        return None
+
+    def _adopt(self, key: CacheKey, entry: os.DirEntry[str]) -> int:
+        """Index a complete file that the index does not know (1 if adopted)."""
+        try:
+            size = entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            if key in self._index or key in self._pending or key in self._deleting:
+                return 0
+            self._index.add(key, size)
+        return 1
+
+    # ----- writes -----
+
+    def put(
+        self, keys: Sequence[CacheKey], metas: Sequence[PayloadMeta], arrays: Sequence[np.ndarray]
+    ) -> PutAck:
+        """Admit chunks (evicting to make room) and write them in the background.
+
+        A key already held or being written is accepted without a rewrite. When the
+        write queue is full, waits for a slot until one deadline, `queue_wait_s` after
+        the call, for the whole put; once it passed, the remaining chunks are skipped.
+        """
+        check_put_lengths(keys, metas, arrays)
+        if self._closed:
+            raise InvalidInputError("put on a closed DiskStore")
+        ack = PutAck()
+        deadline = time.monotonic() + self._queue_wait_s
+        queue_full = 0
+        for key, meta, array in zip(keys, metas, arrays, strict=True):
+            if queue_full:
+                ack.skipped.append(key)
+                queue_full += 1
+            elif not self._put_one(key, meta, array, ack, deadline):
+                queue_full = 1
+        if queue_full:
+            logger.warning(
+                "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
+                self._queue_wait_s,
+                queue_full,
+            )
+        with self._lock:
+            # Deepest chunk first, so a request's first chunk is the most recent and the
+            # cache stays prefix-closed (a chunk is useless without its parent).
+            self._index.order(reversed(ack.accepted))
+        if ack.skipped:
+            self._count("skipped", len(ack.skipped))
+            metrics.inc("raykv_skipped_stores", len(ack.skipped), tier=TIER_DISK)
+        self._count("evictions", len(ack.evicted))
+        self._publish()
+        return ack
+
+    def _put_one(
+        self, key: CacheKey, meta: PayloadMeta, array: np.ndarray, ack: PutAck, deadline: float
+    ) -> bool:
+        """Admit one chunk; False only if no write slot freed up before `deadline`."""
+        try:
+            _file_name(key)
+        except InvalidInputError as exc:
+            logger.warning("disk tier: skipping a chunk: %s", exc)
+            ack.skipped.append(key)
+            return True
+        nbytes = getattr(array, "nbytes", -1)
+        if nbytes != meta.nbytes:
+            logger.warning(
+                "disk tier: skipping %s: array has %s bytes, meta declares %d",
+                key,
+                nbytes,
+                meta.nbytes,
+            )
+            ack.skipped.append(key)
+            return True
+        state = self._held(key)
+        if state is not None:
+            (ack.accepted if state else ack.skipped).append(key)
+            return True
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            ack.skipped.append(key)
+            return False
+        reserve = record_size(meta, key)
+        rec: _Pending | None = None
+        victims: list[tuple[Hashable, int]] = []
+        with self._lock:
+            state = self._held(key, locked=True)
+            if state is None:
+                fits, victims = self._index.reserve(key, reserve)
+                self._deleting.update(k for k, _ in victims)
+                if fits:
+                    rec = _Pending(key, meta, array, reserve, self._tmp_path(key))
+                    self._pending[key] = rec
+        if rec is None:
+            self._slots.release()
+            (ack.accepted if state else ack.skipped).append(key)
+        else:
+            ack.accepted.append(key)
+        ack.evicted.extend(k for k, _ in victims)
+        self._unlink_keys([k for k, _ in victims])
+        if rec is not None:
+            self._pool.submit(self._write, rec)
+        return True
+
+    def _held(self, key: CacheKey, locked: bool = False) -> bool | None:
+        """True if held or being written, False if it must be skipped now, None if new."""
+        if not locked:
+            with self._lock:
+                return self._held(key, locked=True)
+        if key in self._index:
+            return True
+        pending = self._pending.get(key)
+        if pending is not None:
+            return not pending.cancelled
+        if key in self._deleting:
+            return False
+        return None
+
+    def _write(self, rec: _Pending) -> None:
+        """Worker thread: encode, write the temp file, rename it into place, commit."""
+        final = self.path_of(rec.key)
+        size = -1
+        try:
+            head, body = encode_parts(rec.array, rec.meta, rec.key.to_string())
+            parts = (head, body)
+            try:
+                _write_file(rec.tmp_path, parts, self._fsync)
+            except FileNotFoundError:  # shard directory not created yet (or removed)
+                os.makedirs(os.path.dirname(rec.tmp_path), mode=0o700, exist_ok=True)
+                _write_file(rec.tmp_path, parts, self._fsync)
+            os.replace(rec.tmp_path, final)
+            if self._fsync:  # make the rename itself durable
+                _fsync_dir(os.path.dirname(final))
+            size = len(head) + body.nbytes
+        except OSError as exc:
+            _unlink(rec.tmp_path)
+            kind = "disk_full" if exc.errno in _DISK_FULL else "write"
+            logger.warning(
+                "disk tier: dropped a write of %d bytes (%s): %s", rec.meta.nbytes, kind, exc
+            )
+            self._error(kind)
+        except Exception as exc:  # a bug or a bad payload must not kill the writer thread
+            _unlink(rec.tmp_path)
+            logger.error("disk tier: write of %s failed: %s", rec.key, exc, exc_info=True)
+            self._error("write")
+        cancelled = False
+        with self._lock:
+            self._pending.pop(rec.key, None)
+            if size >= 0 and not rec.cancelled:
+                self._index.commit(rec.key, size)
+                self._counts["stored_bytes"] += size
+            else:
+                self._index.unreserve(rec.key)
+                if size >= 0:  # removed while in flight: delete the file just written
+                    cancelled = True
+                    self._deleting.add(rec.key)
+                    self._finishing += 1
+            self._notify_if_idle()
+        rec.array = None
+        self._slots.release()
+        if cancelled:
+            self._unlink_keys([rec.key])
+            with self._lock:
+                self._finishing -= 1
+                self._notify_if_idle()
+        elif size >= 0:
+            metrics.inc("raykv_stored_bytes", size, tier=TIER_DISK)
+        self._publish()
+
+    def _notify_if_idle(self) -> None:
+        if not self._pending and not self._finishing:
+            self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every pending write has finished; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending and not self._finishing, timeout)
+
+    # ----- reads -----
+
+    def get(self, keys: Sequence[CacheKey]) -> list[tuple[PayloadMeta, np.ndarray] | None]:
+        """(meta, flat uint8 array) per key, None for a miss; hits are touched deepest first."""
+        with self._lock:
+            sizes = [self._index.size_of(key) for key in keys]
+            # deepest first: see put()
+            self._index.touch_prefix([k for k, n in zip(keys, sizes, strict=True) if n is not None])
+        found = [key for key, size in zip(keys, sizes, strict=True) if size is not None]
+        big = sum(s for s in sizes if s is not None) >= PARALLEL_READ_BYTES * len(found)
+        if self._read_pool is not None and len(found) > 1 and big:
+            # Large chunks: read (and checksum) several files at once, one per thread.
+            loaded = iter(list(self._read_pool.map(self._read, found)))
+        else:
+            loaded = iter([self._read(key) for key in found])
+        out = [next(loaded) if size is not None else None for size in sizes]
+        hits = sum(item is not None for item in out)
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(keys) - hits
+        return out
+
+    def get_batch(
+        self, keys: Sequence[CacheKey]
+    ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
+        """The `LowerTier.get_batch` shape: metas (None = miss) and arrays (empty = miss)."""
+        found = self.get(keys)
+        metas = [item[0] if item is not None else None for item in found]
+        arrays = [item[1] if item is not None else _EMPTY for item in found]
+        return metas, arrays
+
+    def _read(self, key: CacheKey) -> tuple[PayloadMeta, np.ndarray] | None:
+        path = self.path_of(key)
+        with self._lock:
+            expected = self._index.size_of(key)
+        try:
+            decoded = decode(
+                _read_file(path, expected, self._index.capacity), key.to_string(), key.kv_dtype
+            )
+        except FileNotFoundError:
+            logger.info("disk tier: file of %s vanished", key)
+            self._drop(key, unlink=False)
+            return None
+        except (OSError, PayloadError) as exc:
+            logger.warning("disk tier: removing unreadable %s: %s", path, exc)
+            self._error("corrupt" if isinstance(exc, PayloadError) else "read")
+            self._drop(key, unlink=True)
+            return None
+        return decoded.meta, decoded.data
+
+    def contains(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Which keys have a complete file (pending writes are not yet visible)."""
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    # ----- removal -----
+
+    def remove(self, keys: Sequence[CacheKey]) -> int:
+        """Delete keys (and cancel their pending writes); returns how many were held."""
+        doomed: list[CacheKey] = []
+        with self._lock:
+            for key in keys:
+                if self._index.discard(key) is not None:
+                    doomed.append(key)
+                    self._deleting.add(key)
+                elif key in self._pending:
+                    self._pending[key].cancelled = True
+        self._unlink_keys(doomed)
+        self._publish()
+        return len(doomed)
+
+    def clear(self) -> None:
+        """Delete every chunk of this directory and cancel pending writes."""
+        with self._lock:
+            doomed = self._index.clear()
+            for rec in self._pending.values():
+                rec.cancelled = True
+            self._deleting.update(doomed)
+        self._unlink_keys(doomed)
+        for _, entry in self._scan():  # files this instance never indexed
+            if entry.name.endswith(SUFFIX):
+                key = self._parse(entry.name[: -len(SUFFIX)])
+                with self._lock:
+                    skip = key is not None and (key in self._index or key in self._pending)
+                if not skip:
+                    _unlink(entry.path)
+        self._publish()
+
+    def _drop(self, key: CacheKey, unlink: bool) -> None:
+        """Forget a key whose file is bad or gone; remove the file if asked."""
+        with self._lock:
+            self._index.discard(key)
+            if unlink and key not in self._pending:
+                self._deleting.add(key)
+            else:
+                unlink = False
+        if unlink:
+            self._unlink_keys([key])
+        self._publish()
+
+    def _unlink_keys(self, keys: list[CacheKey]) -> None:
+        """Remove the files of keys already marked deleting, then unmark them."""
+        if not keys:
+            return
+        for key in keys:
+            _unlink(self.path_of(key))
+        with self._lock:
+            self._deleting.difference_update(keys)
+
+    # ----- introspection -----
+
+    def keys(self) -> list[CacheKey]:
+        """Every key with a complete file."""
+        with self._lock:
+            return self._index.keys()
+
+    def stats(self) -> dict[str, Any]:
+        """entries, used_bytes, capacity_bytes, pending writes, hits, misses, evictions..."""
+        with self._lock:
+            return {
+                "tier": TIER_DISK,
+                "directory": self.directory,
+                "entries": len(self._index),
+                "used_bytes": self._index.used,
+                "capacity_bytes": self._index.capacity,
+                "pending_writes": len(self._pending),
+                "pending_bytes": self._index.reserved,
+                "policy": self._index.policy_name,
+                "incarnation": self.incarnation,
+                **self._counts,
+            }
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the writer threads (finishing queued writes when `wait`)."""
+        self._closed = True
+        self._pool.shutdown(wait=wait)
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=wait)
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+            if name == "evictions":
+                metrics.inc("raykv_evictions", n, tier=TIER_DISK, policy=self._index.policy_name)
+
+    def _error(self, kind: str) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+        metrics.inc("raykv_tier_errors", 1, tier=TIER_DISK, kind=kind)
+
+    def _publish(self) -> None:
+        policy = self._index.policy_name
+        metrics.set_gauge("raykv_used_bytes", self._index.used, tier=TIER_DISK, policy=policy)
+        metrics.set_gauge("raykv_entries", len(self._index), tier=TIER_DISK, policy=policy)
+
+
+__all__ = ["DiskStore", "check_owner", "layout_digest", "record_size"]

@@ -1,0 +1,175 @@
+"""Records that cross actors: what a client, the manager and the tiers send each other.
+
+Plain dataclasses with no Ray import (an ObjectRef is only carried, never made here), so
+the Ray-free tier classes in `raykv.tiers` and the actor shells share one definition.
+
+* A *batch object* is one Ray object holding `list[np.ndarray]` (flat uint8 chunk
+  payloads, see `raykv.payload`): one per request, not one per chunk.
+* A chunk in the CPU tier is addressed by a `ChunkRef`: the batch's ObjectRef, the
+  chunk's index in it, and its `PayloadMeta`.
+* Lower tiers (disk, remote) implement `LowerTier`; `get_batch` is called with
+  `num_returns=2` so the caller owns the returned arrays object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from raykv.keys import CacheKey, ChunkSpan
+
+if TYPE_CHECKING:
+    import numpy as np
+    import ray
+
+    from raykv.payload import PayloadMeta
+
+TIER_CPU = "cpu"
+TIER_DISK = "disk"
+TIER_REMOTE = "remote"
+TIER_ORDER = (TIER_CPU, TIER_DISK, TIER_REMOTE)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Where one cached chunk lives in the CPU tier: `ray.get(ref)[index]` is its flat bytes."""
+
+    ref: ray.ObjectRef
+    index: int
+    meta: PayloadMeta
+
+
+@dataclass(slots=True)
+class PutAck:
+    """What a tier did with a put: which keys it accepted, which it evicted to make room,
+    and which it skipped (no room, everything pinned, or a write it refused)."""
+
+    accepted: list[CacheKey] = field(default_factory=list)
+    evicted: list[CacheKey] = field(default_factory=list)
+    skipped: list[CacheKey] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CPUAck:
+    """Reply of `CPUStoreActor.put` / `pull`.
+
+    `refs` maps every requested key now readable to its `ChunkRef`: keys accepted
+    now, keys already cached (the first put wins), and, for pulls, chunks served but
+    not cached for lack of room. `accepted` and `present` are what the CPU index
+    holds; `evicted` left the index to make room; `skipped` were not cached;
+    `missing` (pulls only) the source did not have.
+    """
+
+    incarnation: str
+    refs: dict[CacheKey, ChunkRef] = field(default_factory=dict)
+    accepted: list[CacheKey] = field(default_factory=list)
+    present: list[CacheKey] = field(default_factory=list)
+    evicted: list[CacheKey] = field(default_factory=list)
+    skipped: list[CacheKey] = field(default_factory=list)
+    missing: list[CacheKey] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PutResult:
+    """What `put` did in the CPU tier (disk and remote writes finish in the background)."""
+
+    stored: int = 0  # chunks newly cached in CPU
+    present: int = 0  # chunks already cached (the first put of a key wins)
+    skipped: int = 0  # chunks not cached in CPU: no unpinned room within the timeout
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    """The longest available prefix: `chunks[i]` holds the chunk of `spans[i]`.
+
+    Read a chunk with `ray.get(chunk.ref)[chunk.index]`; fetch the distinct refs of a
+    request with one `ray.get`. `tiers[i]` is where chunk i was found before it was
+    served from CPU.
+    """
+
+    chunks: list[ChunkRef] = field(default_factory=list)
+    hit_tokens: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def hit_chunks(self) -> int:
+        return len(self.chunks)
+
+    def mask(self, n_chunks: int) -> list[bool]:
+        """Hit mask over the request's chunks (a prefix of True)."""
+        return [i < len(self.chunks) for i in range(n_chunks)]
+
+
+class PackedSpans:
+    """A request's spans in a compact wire form: one key identity, the chunk hashes and
+    the token ends. Pickles far faster than a list of `ChunkSpan` (a 512-chunk lookup
+    spends most of its time (de)serialising CacheKeys otherwise); build it with `of`.
+    """
+
+    __slots__ = ("identity", "hashes", "ends")
+
+    def __init__(
+        self, identity: tuple[str, int, int, str], hashes: list[str], ends: list[int]
+    ) -> None:
+        self.identity = identity  # (model_name, world_size, worker_id, kv_dtype)
+        self.hashes = hashes
+        self.ends = ends
+
+    @classmethod
+    def of(cls, spans: Sequence[ChunkSpan]) -> PackedSpans | list[ChunkSpan]:
+        """Pack `spans`; returns them unchanged (a list) if their keys differ in identity."""
+        if not spans:
+            return list(spans)
+        k = spans[0].key
+        identity = (k.model_name, k.world_size, k.worker_id, k.kv_dtype)
+        for s in spans:
+            key = s.key
+            if (key.model_name, key.world_size, key.worker_id, key.kv_dtype) != identity:
+                return list(spans)
+        return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
+
+    def keys(self) -> list[CacheKey]:
+        model, world, worker, dtype = self.identity
+        return [CacheKey(model, world, worker, h, dtype) for h in self.hashes]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedSpans, (self.identity, self.hashes, self.ends))
+
+
+class LowerTier(Protocol):
+    """The batch interface of a disk or remote tier actor (called through `.remote`).
+
+    Every method takes a whole request's keys. A miss, an unreachable server or a
+    corrupt payload is reported as absence (None / False), never as an exception.
+    """
+
+    def put(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], batch: list[ray.ObjectRef]
+    ) -> PutAck:
+        """Write-all: store `ray.get(batch[0])[i]` under `keys[i]`; writes may finish later,
+        but a key is visible (contains/get) only once its write is complete."""
+
+    def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
+        """Called with `.options(num_returns=2)`: metas (None for a miss) and the arrays
+        (an empty array for a miss), as two objects so the caller can keep the second."""
+
+    def contains(self, keys: list[CacheKey]) -> list[bool]:
+        """Which keys are held (complete)."""
+
+    def remove(self, keys: list[CacheKey]) -> int:
+        """Drop keys; returns how many were held."""
+
+    def keys(self) -> list[CacheKey]:
+        """Every key held, for index rebuilds and controller resyncs."""
+
+    def clear(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]:
+        """entries, used_bytes, capacity_bytes, hits, misses, evictions, errors, policy."""
+
+    def incarnation(self) -> str:
+        """An id that changes when the actor restarts, so callers know to resync."""
