@@ -34,5 +34,5 @@
 
 http_options: {"host": "127.0.0.1", "port": 8000}
 applications: [{"name": "raykv-demo", "route_prefix": "/", "import_path": "raykv.demo.serve_app:demo_app", "args": {}}]
-if __name__ != "__main__": from raykv.serve import app_from_env; app = app_from_env()
-if __name__ == "__main__": from raykv.serve import demo_client; demo_client()
+if __name__ != "__main__": from raykv.demo.serve_app import app_from_env; app = app_from_env()
+if __name__ == "__main__": from raykv.demo.serve_app import demo_client; demo_client()

@@ -9,7 +9,7 @@ Precedence, lowest to highest (each layer overrides the one before it):
 
 Everything is validated once, when the dataclass is constructed; a bad key or value
 raises :class:`raykv.errors.ConfigError` naming the key, the value and what is allowed.
-A redis password never appears in a repr, a log line or an error message.
+A redis password or the payload secret never appears in a repr, a log line or an error message.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,26 @@ _NULL = frozenset({"", "null", "none", "~"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _CLASS_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# A Ray node id in hex: 28 bytes (ray.NodeID.size()), as `ray.get_runtime_context().get_node_id()`.
+_NODE_ID_RE = re.compile(r"^[0-9a-fA-F]{56}$")
+# Ray refuses these names in `resources` (they have their own options).
+_RAY_RESERVED_RESOURCES = frozenset({"CPU", "GPU"})
+# Ray's resource precision: a smaller amount is rejected when the actor is created.
+_MIN_RESOURCE_AMOUNT = 0.0001
+# Settings once read from `extra_config` inside the actors; fields now. A key still given
+# in extra_config moves into its field with a DeprecationWarning.
+MOVED_FROM_EXTRA = (
+    "max_lower_writes_in_flight",
+    "remote_index_max_keys",
+    "kv_server_node_id",
+    "kv_server_resources",
+    "disk_fsync",
+    "disk_queue_wait_secs",
+)
 _MASK = "***"
+# Fields whose whole value is a secret: "***" in repr, config show, logs and errors.
+SECRET_FIELDS = ("payload_secret",)
+MIN_PAYLOAD_SECRET_CHARS = 16
 # One layer of settings: (key, value, where it came from) triples.
 _Layer = list[tuple[Any, Any, str]]
 
@@ -76,10 +96,17 @@ class RayKVConfig:
     max_local_disk_size: float = 0.0  # disk tier capacity in GB; must be > 0 when local_disk is set
     disk_write_workers: int = 2  # threads writing chunks to disk in the background
     disk_max_pending_writes: int = 64  # bound of the disk write queue; beyond it writes are dropped
+    disk_fsync: bool = False  # fsync each chunk file and its directory (durable, slower)
+    disk_queue_wait_secs: float = 1.0  # a put waits this long for a full write queue, then skips
     # --- L3: remote tier ---
     remote_url: str | None = None  # ray://NAME or redis[s]://[[user]:password@]host[:port][/db]
     remote_serde: str = "naive"  # codec of chunks sent to the remote tier
     max_remote_size: float = 5.0  # capacity in GB of the ray:// KVServer actor
+    kv_server_node_id: str | None = None  # Ray node id (hex) to pin a new ray:// KVServer to
+    kv_server_resources: str | dict[str, float] | None = None  # custom resource(s) it must get
+    remote_index_max_keys: int = 1 << 20  # remote keys a storage manager remembers (oldest go)
+    # --- integrity of stored KV (disk and redis records) ---
+    payload_secret: str | None = None  # shared secret (>= 16 chars): records carry an HMAC; masked
     # --- eviction ---
     cache_policy: str = "LRU"  # eviction policy name (case-insensitive) or "module:Class"
     cpu_cache_policy: str | None = None  # CPU tier policy; null = use cache_policy
@@ -96,10 +123,20 @@ class RayKVConfig:
     namespace: str = "raykv"  # Ray namespace of the raykv actors; one cache per namespace
     ray_address: str | None = None  # Ray to attach to when not up in-process; null: $RAY_ADDRESS
     enable_controller: bool = False  # report chunks to the KVController (aware routing, peer tier)
+    max_lower_writes_in_flight: int = 32  # background writes per lower tier; beyond it: skipped
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
-        _validate(self)
+        moved = _move_deprecated_extra(self)
+        try:
+            _validate(self)
+        except ConfigError as exc:
+            key = getattr(exc, "key", None)
+            if key not in moved:
+                raise
+            err = ConfigError(f"{exc} (given as extra_config[{key!r}]; set the field {key})")
+            err.key = key  # type: ignore[attr-defined]
+            raise err from None
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={_show(v)}" for k, v in self.to_dict(mask_secrets=True).items())
@@ -167,12 +204,16 @@ class RayKVConfig:
         out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if mask_secrets and out["remote_url"] is not None:
             out["remote_url"] = mask_url(out["remote_url"])
+        for name in SECRET_FIELDS:
+            if mask_secrets and out[name] is not None:
+                out[name] = _MASK
         return out
 
     def to_yaml(self, *, mask_secrets: bool = False) -> str:
         """YAML that :meth:`from_file` reads back to an equal config.
 
-        Holds the real redis password unless ``mask_secrets`` (use that for display).
+        Holds the real redis password and ``payload_secret`` unless ``mask_secrets`` (use
+        that for display).
         """
         return yaml.safe_dump(
             self.to_dict(mask_secrets=mask_secrets),
@@ -254,7 +295,8 @@ def _show(value: Any) -> str:
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     """A ConfigError that also records its key, so layered loading can say who set it."""
-    err = ConfigError(f"invalid {key}={_show(value)}: {allowed}")
+    shown = _MASK if _is_secret_key(key) else _show(value)
+    err = ConfigError(f"invalid {key}={shown}: {allowed}")
     err.key = key  # type: ignore[attr-defined]
     return err
 
@@ -264,13 +306,20 @@ def _suggest(key: str, candidates: tuple[str, ...]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _is_secret_key(key: str) -> bool:
+    """A secret field, or a key that looks like one (a misspelt secret is still secret)."""
+    low = key.lower()
+    return "secret" in low or bool(difflib.get_close_matches(low, SECRET_FIELDS, cutoff=0.8))
+
+
 def _check_key(key: Any, value: Any, source: str) -> None:
     if key in FIELD_NAMES:
         return
     if not isinstance(key, str):
         raise ConfigError(f"config keys must be strings, got {key!r} in {source}")
     raise ConfigError(
-        f"unknown config key {key!r} (value {_show(value)}) in {source}"
+        f"unknown config key {key!r} (value {_MASK if _is_secret_key(key) else _show(value)}) "
+        f"in {source}"
         f"{_suggest(key, FIELD_NAMES)} Known keys: {', '.join(FIELD_NAMES)}"
     )
 
@@ -315,6 +364,8 @@ def _check_type(cfg: RayKVConfig, name: str) -> None:
             raise _fail(name, value, "must be a finite number (not NaN or infinity)")
         object.__setattr__(cfg, name, number)
         return
+    if name == "kv_server_resources":  # str | dict: _validate_kv_server_resources checks it
+        return
     if base is int and isinstance(value, bool):
         raise _fail(name, value, f"must be {kind}, got a bool")
     if not isinstance(value, base):
@@ -328,6 +379,18 @@ def _validate(cfg: RayKVConfig) -> None:
         _require(cfg, name, getattr(cfg, name) > 0, "must be a positive integer")
     for name in ("disk_write_workers", "disk_max_pending_writes"):
         _require(cfg, name, getattr(cfg, name) > 0, "must be a positive integer")
+    for name in ("max_lower_writes_in_flight", "remote_index_max_keys"):
+        _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
+    _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
+    if cfg.kv_server_node_id is not None:
+        _require(
+            cfg,
+            "kv_server_node_id",
+            bool(_NODE_ID_RE.match(cfg.kv_server_node_id)),
+            "must be a Ray node id: 56 hex digits (ray.get_runtime_context().get_node_id()),"
+            " or null",
+        )
+    _validate_kv_server_resources(cfg)
     for name in ("blocking_timeout_secs", "pin_lease_secs"):
         _require(cfg, name, getattr(cfg, name) > 0, "must be > 0 seconds")
     _require(
@@ -355,6 +418,13 @@ def _validate(cfg: RayKVConfig) -> None:
     for name in ("cache_policy", "cpu_cache_policy", "disk_cache_policy", "remote_cache_policy"):
         if getattr(cfg, name) is not None:
             _validate_policy(name, getattr(cfg, name))
+    if cfg.payload_secret is not None:
+        _require(
+            cfg,
+            "payload_secret",
+            len(cfg.payload_secret) >= MIN_PAYLOAD_SECRET_CHARS,
+            f"must be null or a string of at least {MIN_PAYLOAD_SECRET_CHARS} characters",
+        )
     _validate_extra(cfg.extra_config)
     object.__setattr__(cfg, "extra_config", copy.deepcopy(cfg.extra_config))
 
@@ -393,6 +463,79 @@ def _validate_sizes(cfg: RayKVConfig) -> None:
         )
     else:
         _require(cfg, "max_remote_size", cfg.max_remote_size >= 0, "must be >= 0 GB")
+
+
+def _validate_kv_server_resources(cfg: RayKVConfig) -> None:
+    """A custom resource name, or ``{name: amount}`` (amounts stored as floats), or null."""
+    value = cfg.kv_server_resources
+    allowed = (
+        "must be a custom resource name, a non-empty mapping of resource names to amounts"
+        f" >= {_MIN_RESOURCE_AMOUNT}, or null; names are non-empty and not"
+        f" {' or '.join(sorted(_RAY_RESERVED_RESOURCES))}"
+    )
+    if value is None:
+        return
+    if isinstance(value, str):
+        names = [value]
+    elif isinstance(value, dict) and value:
+        names = list(value)
+        amounts = list(value.values())
+        for amount in amounts:
+            if isinstance(amount, bool) or not isinstance(amount, int | float):
+                raise _fail("kv_server_resources", value, allowed)
+            if not (math.isfinite(amount) and amount >= _MIN_RESOURCE_AMOUNT):
+                raise _fail("kv_server_resources", value, allowed)
+    else:
+        raise _fail("kv_server_resources", value, allowed)
+    for name in names:
+        if not isinstance(name, str) or not name.strip() or name in _RAY_RESERVED_RESOURCES:
+            raise _fail("kv_server_resources", value, allowed)
+    if isinstance(value, dict):
+        object.__setattr__(cfg, "kv_server_resources", {k: float(v) for k, v in value.items()})
+
+
+def _move_deprecated_extra(cfg: RayKVConfig) -> frozenset[str]:
+    """Move ``extra_config`` keys that are fields now (:data:`MOVED_FROM_EXTRA`) into
+    their fields, with a DeprecationWarning each; returns the keys moved.
+
+    A field also set to another, non-default value is a conflict (ConfigError).
+    """
+    extra = cfg.extra_config
+    if not isinstance(extra, dict):
+        return frozenset()  # the type check reports it
+    moved = [key for key in MOVED_FROM_EXTRA if key in extra]
+    if not moved:
+        return frozenset()
+    extra = dict(extra)  # never mutate the caller's mapping
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in moved}
+    for key in moved:
+        value = extra.pop(key)
+        current = getattr(cfg, key)
+        if current != defaults[key] and current != value:
+            raise _fail(
+                key,
+                current,
+                f"also given as extra_config[{key!r}]={_show(value)}; set only the field {key}",
+            )
+        object.__setattr__(cfg, key, value)
+        warnings.warn(
+            f"extra_config[{key!r}] is deprecated: {key} is a RayKVConfig field now; "
+            f"set {key} (or {env_name(key)}) instead of putting it in extra_config",
+            DeprecationWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+    object.__setattr__(cfg, "extra_config", extra)
+    return frozenset(moved)
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for warnings.warn from a caller of this function: the first frame
+    outside this module and the dataclass machinery (so the user's line is reported)."""
+    inside = {__file__, dataclasses.__file__, "<string>"}  # <string>: generated __init__
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename in inside:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _validate_local_disk(cfg: RayKVConfig) -> None:
@@ -568,6 +711,8 @@ def _parse_env(key: str, var: str, text: str) -> Any:
     s = text.strip()
     if optional and s.lower() in _NULL:
         return None
+    if key == "kv_server_resources" and s.startswith("{"):
+        base = dict  # a resource name, or a {name: amount} mapping
     try:
         if base is bool:
             if s.lower() in _TRUE:
@@ -642,6 +787,7 @@ __all__ = [
     "FIELD_NAMES",
     "KNOWN_SERDES",
     "KV_DTYPES",
+    "MOVED_FROM_EXTRA",
     "TIERS",
     "RayKVConfig",
     "env_name",

@@ -27,11 +27,13 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
+from raykv import metrics
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
+from raykv.wire import TIER_CPU
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +195,11 @@ class KVCache:
             return 0
         arrays = self._payloads(kv, spans, n_tokens)
         metas = [self._meta(span) for span in spans]
-        held = self._put(spans, arrays, metas)
+        # The request's chunks before the stored ones (a mask skipped them): the tiers
+        # keep them at least as recent as the new chunks, so eviction stays prefix-closed.
+        every = self.spans(tokens) if mask is not None else spans
+        prefix = [s.key for s in every[: len(every) - len(spans)]]
+        held = self._put(spans, arrays, metas, priority, prefix)
         return sum(s.end - s.start for s in spans[:held])
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:
@@ -416,7 +422,11 @@ class KVCache:
         return out
 
     def put_chunks(
-        self, spans: list[ChunkSpan], buffers: list[np.ndarray], metas: list[PayloadMeta]
+        self,
+        spans: list[ChunkSpan],
+        buffers: list[np.ndarray],
+        metas: list[PayloadMeta],
+        prefix: list[CacheKey] | None = None,
     ) -> int:
         """Store raw payloads, one per span, in every tier; returns how many CPU now holds.
 
@@ -440,21 +450,41 @@ class KVCache:
                 raise InvalidInputError(
                     f"payload {j} must be a flat uint8 numpy array of {meta.nbytes} bytes"
                 )
-        return self._put(spans, list(buffers), metas) if spans else 0
+        return self._put(spans, list(buffers), metas, None, prefix) if spans else 0
 
     def _put(
-        self, spans: list[ChunkSpan], arrays: list[np.ndarray], metas: list[PayloadMeta]
+        self,
+        spans: list[ChunkSpan],
+        arrays: list[np.ndarray],
+        metas: list[PayloadMeta],
+        priority: int | None = None,
+        prefix: list[CacheKey] | None = None,
     ) -> int:
-        """One `ray.put` of the request's payloads, one manager call; chunks CPU now holds."""
+        """One `ray.put` of the request's payloads, one manager call; chunks CPU now holds.
+
+        The input was checked before: any failure from here on is a fault (object store
+        full, Ray going away, ...), which costs the chunks (0 stored), never an exception.
+        """
         if not ray.is_initialized():  # Ray shut down under us: never start a new one here
             return 0
         try:
             batch = [ray.put(arrays)]
-        except RayError as exc:  # object store full or Ray going away: the chunks are not cached
-            logger.warning("raykv put failed (%s): chunks not cached", type(exc).__name__)
+        except Exception as exc:  # the chunks are not cached; the caller's request goes on
+            logger.warning(
+                "raykv put of %d chunks failed (%s: %s): not cached",
+                len(arrays),
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, RayError),  # a non-Ray error may be a bug: trace it
+            )
+            metrics.inc("raykv_tier_errors", 1, tier=TIER_CPU, kind="client_put")
+            metrics.inc("raykv_skipped_stores", len(arrays), tier=TIER_CPU)
             return 0
         timeout = self.config.blocking_timeout_secs + _PUT_SLACK_SECS
-        result = self._call("put", self._packed(spans), metas, batch, timeout=timeout, default=None)
+        packed = self._packed(spans)
+        result = self._call(
+            "put", packed, metas, batch, priority, prefix or None, timeout=timeout, default=None
+        )
         # New, or already cached (the first put wins).
         return 0 if result is None else result.stored + result.present
 

@@ -8,12 +8,22 @@ fixed header followed by the raw bytes:
     magic "RKVC" | version u16 | serde u8 | dtype u8 | layout u8 | ndim u8 | key_len u16
     | nbytes u64 | data checksum u64 (XXH3-64) | shape u64 * ndim | key utf-8 | header checksum u32
 
-Decoding never unpickles: malformed, truncated, hostile or corrupt bytes raise
-`PayloadError`, which the tiers turn into a miss.
+Version 1 records are checked by those two checksums, which catch corruption but not a
+hostile writer. With a shared secret (`payload_secret` in the config) records are
+version 2: the two checksum slots hold a 96-bit tag (the first 12 bytes of HMAC-SHA256
+keyed by the secret, as HMAC-SHA1-96 in IPsec) over the header (with the tag slots
+zeroed) and the body, so a writer without the secret cannot make a record that a reader
+with it accepts. Both versions have the same length, so tier budgets do not change. A
+reader with a secret accepts only version 2 records whose tag verifies; a reader without
+one accepts only version 1.
+
+Decoding never unpickles: malformed, truncated, hostile or corrupt bytes, or a record
+whose tag does not verify, raise `PayloadError`, which the tiers turn into a miss.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 import warnings
 from dataclasses import dataclass
@@ -28,7 +38,9 @@ if TYPE_CHECKING:  # torch loads only where tensors are converted: tier actors n
     import torch
 
 MAGIC = b"RKVC"
-VERSION = 1
+VERSION = 1  # checksummed (XXH3-64 body, XXH32 header)
+VERSION_KEYED = 2  # tagged: HMAC-SHA256-96 over header and body, keyed by payload_secret
+MAC_BYTES = 12  # 8 in the data checksum slot, 4 in the header checksum slot
 LAYOUT_KV_2LTD = "KV_2LTD"  # [2 (K,V), num_layers, num_tokens, num_kv_heads * head_dim]
 # Whole engine pages, opaque: [num_layers, num_blocks, *one block of one layer]. The block
 # interior is whatever the engine's attention backend keeps (e.g. vLLM's CPU backend packs
@@ -41,6 +53,8 @@ MAX_PAYLOAD_BYTES = 1 << 36  # 64 GiB: anything larger is a corrupt or hostile h
 
 _FIXED = struct.Struct("<4sHBBBBHQQ")
 _HEADER_SUM = struct.Struct("<I")
+_SUM_AT = _FIXED.size - 8  # offset of the data checksum slot in the fixed part
+_NO_SUM = bytes(8)
 
 # Stable on-disk codes: append only, never renumber.
 _DTYPE_NAMES = (
@@ -185,17 +199,67 @@ class Header(NamedTuple):
     key: str
     serde: int
     nbytes: int
-    checksum: int
+    checksum: int  # XXH3-64 of the body; in a keyed record, the tag's first 8 bytes
     header_len: int
+    keyed: bool = False  # a version 2 record: its tag is checked by `decode`
+
+
+Secret = str | bytes
+
+
+def _tag(secret: Secret, head: Any, body: Any) -> bytes:
+    """The 96-bit tag of a keyed record: HMAC-SHA256 over `head` (its tag slots excluded or
+    zeroed by the caller) then `body`, truncated."""
+    key = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+    if not key:
+        raise PayloadError("an empty payload secret is no secret: pass None for plain records")
+    mac = hmac.new(key, head, "sha256")  # by name: OpenSSL's HMAC, which drops the GIL
+    mac.update(body)
+    return mac.digest()[:MAC_BYTES]
+
+
+def buffer_problem(array: Any, meta: Any) -> str | None:
+    """Why `array` cannot be stored as the payload `meta` describes, or None if it can.
+
+    The tiers call this on every put, so a wrong-sized, mistyped or object-holding
+    buffer is skipped (and counted) instead of stored or raised.
+    """
+    if not isinstance(meta, PayloadMeta):
+        return f"meta is a {type(meta).__name__}, not a PayloadMeta"
+    try:  # an unpickled meta skipped __post_init__: validate it again
+        declared = PayloadMeta(meta.dtype, meta.shape, meta.layout).nbytes
+    except (PayloadError, TypeError, ValueError) as exc:
+        return f"invalid meta: {exc}"
+    if not isinstance(array, np.ndarray):
+        return f"data is a {type(array).__name__}, not a numpy array"
+    if array.dtype.hasobject:
+        return "data holds Python objects, not bytes"
+    if array.nbytes != declared:
+        return f"data has {array.nbytes} bytes but meta declares {declared}"
+    return None
 
 
 def encode_parts(
-    data: np.ndarray, meta: PayloadMeta, key: str = "", serde: str = "raw"
+    data: np.ndarray,
+    meta: PayloadMeta,
+    key: str = "",
+    serde: str = "raw",
+    *,
+    secret: Secret | None = None,
 ) -> tuple[bytes, memoryview]:
-    """Header bytes and a zero-copy view of the body, for writers that send them separately."""
+    """Header bytes and a zero-copy view of the body, for writers that send them separately.
+
+    With `secret`, a keyed (version 2) record: see the module docstring.
+    """
     if serde not in SERDE_CODES:
         raise PayloadError(f"unknown serde {serde!r}; known: {sorted(SERDE_CODES)}")
-    body = memoryview(np.ascontiguousarray(data)).cast("B")
+    try:
+        arr = np.ascontiguousarray(data)
+        body = None if arr.dtype.hasobject else memoryview(arr).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"data is not a byte buffer: {exc}") from None
+    if body is None:
+        raise PayloadError("data holds Python objects, not bytes")
     if body.nbytes != meta.nbytes:
         raise PayloadError(f"data has {body.nbytes} bytes but meta declares {meta.nbytes}")
     key_bytes = key.encode("utf-8")
@@ -203,37 +267,65 @@ def encode_parts(
         raise PayloadError(f"key is {len(key_bytes)} bytes; at most {MAX_KEY_BYTES} allowed")
     head = _FIXED.pack(
         MAGIC,
-        VERSION,
+        VERSION if secret is None else VERSION_KEYED,
         SERDE_CODES[serde],
         DTYPE_CODES[meta.dtype],
         _LAYOUT_CODES[meta.layout],
         len(meta.shape),
         len(key_bytes),
         body.nbytes,
-        xxhash.xxh3_64_intdigest(body),
+        0 if secret is not None else xxhash.xxh3_64_intdigest(body),
     )
     head += struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + key_bytes
-    return head + _HEADER_SUM.pack(xxhash.xxh32_intdigest(head)), body
+    if secret is None:
+        return head + _HEADER_SUM.pack(xxhash.xxh32_intdigest(head)), body
+    tag = _tag(secret, head, body)
+    return head[:_SUM_AT] + tag[:8] + head[_FIXED.size :] + tag[8:], body
 
 
-def encode(data: np.ndarray, meta: PayloadMeta, key: str = "", serde: str = "raw") -> np.ndarray:
+def encode(
+    data: np.ndarray,
+    meta: PayloadMeta,
+    key: str = "",
+    serde: str = "raw",
+    *,
+    secret: Secret | None = None,
+) -> np.ndarray:
     """Header + raw bytes in one flat uint8 array (bytes-like; one copy of the body).
 
     A numpy buffer rather than `bytes`: large `bytes` objects are several times
     slower to allocate and fill than numpy's (huge-page friendly) allocations.
+    With `secret`, a keyed (version 2) record.
     """
-    head, body = encode_parts(data, meta, key, serde)
+    head, body = encode_parts(data, meta, key, serde, secret=secret)
     out = np.empty(len(head) + body.nbytes, dtype=np.uint8)
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     out[len(head) :] = np.frombuffer(body, dtype=np.uint8)
     return out
 
 
-def read_header(buf: Any, max_nbytes: int = MAX_PAYLOAD_BYTES) -> Header:
+def _check_version(version: int, keyed: bool) -> None:
+    """A reader with a secret takes only keyed records, one without takes only plain ones."""
+    if version == (VERSION_KEYED if keyed else VERSION):
+        return
+    if version == VERSION:
+        raise PayloadError("record has no keyed MAC, but this reader requires one (payload_secret)")
+    if version == VERSION_KEYED:
+        raise PayloadError("record carries a keyed MAC, but this reader has no payload_secret")
+    raise PayloadError(
+        f"unsupported codec version {version}, expected {VERSION} or {VERSION_KEYED}"
+    )
+
+
+def read_header(
+    buf: Any, max_nbytes: int = MAX_PAYLOAD_BYTES, *, secret: Secret | None = None
+) -> Header:
     """Parse and check a header; needs only the header's bytes (not the body).
 
     A reader that allocates from the declared size should pass a tight `max_nbytes`
     (e.g. its tier capacity): a header checksum is no defence against a hostile writer.
+    With `secret`, only a keyed record is accepted (its tag covers the body too, so only
+    `decode` checks it); without, only a plain one (whose header checksum is checked here).
     """
     view = memoryview(buf).cast("B")
     if len(view) < _FIXED.size:
@@ -241,15 +333,14 @@ def read_header(buf: Any, max_nbytes: int = MAX_PAYLOAD_BYTES) -> Header:
     magic, version, serde, dcode, lcode, ndim, klen, nbytes, checksum = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise PayloadError(f"unsupported codec version {version}, expected {VERSION}")
+    _check_version(version, secret is not None)
     if ndim > MAX_NDIM or klen > MAX_KEY_BYTES:
         raise PayloadError(f"corrupt header: ndim={ndim} key_len={klen}")
     header_len = _FIXED.size + 8 * ndim + klen + _HEADER_SUM.size
     if len(view) < header_len:
         raise PayloadError(f"truncated header: {len(view)} bytes, need {header_len}")
     (hsum,) = _HEADER_SUM.unpack_from(view, header_len - _HEADER_SUM.size)
-    if xxhash.xxh32_intdigest(view[: header_len - _HEADER_SUM.size]) != hsum:
+    if secret is None and xxhash.xxh32_intdigest(view[: header_len - _HEADER_SUM.size]) != hsum:
         raise PayloadError("header checksum mismatch")
     if serde not in SERDE_CODES.values():
         raise PayloadError(f"unknown serde code {serde}")
@@ -269,7 +360,7 @@ def read_header(buf: Any, max_nbytes: int = MAX_PAYLOAD_BYTES) -> Header:
         raise PayloadError(
             f"shape {list(shape)} of {meta.dtype} needs {meta.nbytes} bytes, header says {nbytes}"
         )
-    return Header(meta, key, serde, nbytes, checksum, header_len)
+    return Header(meta, key, serde, nbytes, checksum, header_len, secret is not None)
 
 
 class Decoded(NamedTuple):
@@ -278,22 +369,41 @@ class Decoded(NamedTuple):
     key: str
 
 
-def decode(buf: Any, expected_key: str | None = None, expected_dtype: str | None = None) -> Decoded:
+def _verify_tag(view: memoryview, header: Header, secret: Secret) -> None:
+    """Recompute a keyed record's tag over its header (tag slots zeroed) and body."""
+    hlen = header.header_len - _HEADER_SUM.size
+    signed = b"".join((view[:_SUM_AT], _NO_SUM, view[_FIXED.size : hlen]))
+    stored = bytes(view[_SUM_AT : _FIXED.size]) + bytes(view[hlen : header.header_len])
+    if not hmac.compare_digest(_tag(secret, signed, view[header.header_len :]), stored):
+        raise PayloadError("payload MAC mismatch: not written with this payload_secret")
+
+
+def decode(
+    buf: Any,
+    expected_key: str | None = None,
+    expected_dtype: str | None = None,
+    *,
+    secret: Secret | None = None,
+) -> Decoded:
     """Parse, check and return a payload; a zero-copy view of `buf` where possible.
 
     Raises `PayloadError` if the bytes are truncated, too long, corrupt, or
     (when `expected_key` is given) belong to another key, or (when `expected_dtype`
     is given: a tier passes its key's `kv_dtype`) hold KV of another dtype, so a tier
-    never serves bytes the key's model cannot read.
+    never serves bytes the key's model cannot read. With `secret`, also unless the
+    record is keyed and its tag verifies (a plain record, one keyed with another
+    secret, or a tampered one is refused); without, a keyed record is refused.
     """
     view = memoryview(buf).cast("B")
-    header = read_header(view)
+    header = read_header(view, secret=secret)
     end = header.header_len + header.nbytes
     if len(view) != end:
         what = "truncated" if len(view) < end else "trailing bytes after"
         raise PayloadError(f"{what} payload: have {len(view)} bytes, header declares {end}")
     body = view[header.header_len :]
-    if xxhash.xxh3_64_intdigest(body) != header.checksum:
+    if secret is not None:
+        _verify_tag(view, header, secret)
+    elif xxhash.xxh3_64_intdigest(body) != header.checksum:
         raise PayloadError("payload checksum mismatch")
     if expected_key is not None and header.key != expected_key:
         raise PayloadError(f"payload belongs to key {header.key!r:.80}, not {expected_key!r:.80}")

@@ -48,6 +48,7 @@ class PutAck:
     accepted: list[CacheKey] = field(default_factory=list)
     evicted: list[CacheKey] = field(default_factory=list)
     skipped: list[CacheKey] = field(default_factory=list)
+    incarnation: str = ""  # the tier's incarnation, where its shell knows it ("" = unknown)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class CPUAck:
     evicted: list[CacheKey] = field(default_factory=list)
     skipped: list[CacheKey] = field(default_factory=list)
     missing: list[CacheKey] = field(default_factory=list)
+    seq: int = 0  # this store's reply number (1, 2, ...): the manager notices a lost one
 
 
 @dataclass(slots=True)

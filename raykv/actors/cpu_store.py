@@ -31,7 +31,8 @@ from raykv import metrics
 from raykv.actors.common import INLINE_OBJECT_BYTES, HandoutHold
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
-from raykv.tiers.cpu import CPUStore
+from raykv.tiers.budget import check_priority
+from raykv.tiers.cpu import CPUStore, payload_problems
 from raykv.wire import TIER_CPU, ChunkRef, CPUAck
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class CPUStoreActor:
         )
         self._timeout = blocking_timeout_secs
         self._incarnation = uuid.uuid4().hex
+        self._seq = 0  # put/pull acks sent (CPUAck.seq)
         self._room: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._sweep_every = min(max(pin_lease_secs / 4, 0.05), 5.0)
@@ -138,6 +140,8 @@ class CPUStoreActor:
                 self._signal_room()
 
     def _record(self, ack: CPUAck) -> CPUAck:
+        self._seq += 1
+        ack.seq = self._seq
         store = self._store
         policy = store.policy_name
         if ack.evicted:
@@ -146,14 +150,20 @@ class CPUStoreActor:
         metrics.set_gauge("raykv_entries", len(store), tier=TIER_CPU, policy=policy)
         return ack
 
-    async def _allocate(self, sizes: list[int], *, wait: bool) -> tuple[int, list[CacheKey]]:
-        """Reserve room for `sizes`, waiting up to the blocking timeout while pins hold it."""
+    async def _allocate(
+        self, sizes: list[int], *, wait: bool, spare: list[CacheKey] | None = None
+    ) -> tuple[int, list[CacheKey]]:
+        """Reserve room for `sizes`, waiting up to the blocking timeout while pins hold it.
+
+        The batches holding `spare` (the request's cached chunks) are not evicted for it.
+        """
         store = self._store
+        spare = spare or []
         evicted: list[CacheKey] = []
         deadline = time.monotonic() + self._timeout
         while True:
             event = self._room_event()  # taken before the attempt: no wake-up is lost
-            n, ev = store.allocate(sizes, partial=False)
+            n, ev = store.allocate(sizes, partial=False, spare=spare)
             evicted += ev
             if n == len(sizes) or not wait:
                 return n, evicted
@@ -165,7 +175,7 @@ class CPUStoreActor:
                 await asyncio.wait_for(event.wait(), remaining)
             except asyncio.TimeoutError:
                 break
-        n, ev = store.allocate(sizes, partial=True)
+        n, ev = store.allocate(sizes, partial=True, spare=spare)
         return n, evicted + ev
 
     def _readable(self, keys: list[CacheKey]) -> dict[CacheKey, ChunkRef]:
@@ -194,20 +204,23 @@ class CPUStoreActor:
         metas: list[PayloadMeta],
         batch: list[ray.ObjectRef],
         lookup_id: str | None = None,
+        priority: float | None = None,
+        prefix: list[CacheKey] | None = None,
     ) -> CPUAck:
         """Cache `ray.get(batch[0])[i]` under `keys[i]`, re-put as one object this store owns.
 
-        Waits up to `blocking_timeout_secs` for unpinned room, then skips what does not fit.
+        `keys` are one request's chunks in order; `prefix` names the request's chunks
+        before `keys[0]` when only the new ones are sent. The request's cached chunks are
+        not evicted for its new ones, and the whole chain is then ordered prefix-closed
+        (see `CPUStore.commit`); new chunks enter the policy with `priority`. An array
+        whose size is not its meta's is skipped. Waits up to `blocking_timeout_secs` for
+        unpinned room, then skips what does not fit.
         """
         self._start()
+        check_priority(priority)
         store = self._store
         ack = CPUAck(self._incarnation)
-        todo: dict[CacheKey, int] = {}
-        for i, key in enumerate(keys):
-            if key in store:
-                ack.present.append(key)
-            elif key not in todo:
-                todo[key] = i
+        ack.present, todo = store.split(keys)
         if not todo:
             ack.refs = self._readable(keys)
             return ack
@@ -217,9 +230,15 @@ class CPUStoreActor:
             logger.warning("put: cannot read the batch object (%s); nothing cached", exc)
             ack.skipped = list(todo)
             return ack
+        bad = payload_problems(metas, arrays, todo.values())
+        if bad:
+            wrong = [k for k, i in todo.items() if i in bad]
+            self._skip(ack, wrong, reason=f"bad payload: {bad[todo[wrong[0]]]}")
+            todo = {k: i for k, i in todo.items() if i not in bad}
+        chain = [*(prefix or ()), *keys]
         new = list(todo)
         sizes = [metas[todo[k]].nbytes for k in new]
-        n, ack.evicted = await self._allocate(sizes, wait=True)
+        n, ack.evicted = await self._allocate(sizes, wait=True, spare=chain) if new else (0, [])
         taken, left = new[:n], new[n:]
         self._skip(ack, left)
         if taken:
@@ -243,6 +262,8 @@ class CPUStoreActor:
                     batch_bytes=nbytes,
                     reserved=nbytes,
                     lookup_id=lookup_id,
+                    chain=chain,
+                    priority=priority,
                 )
                 ack.accepted = [k for k in taken if k in added]
                 # Put meanwhile by another request: the first put wins.
@@ -266,7 +287,8 @@ class CPUStoreActor:
         The store calls `source.get_batch.options(num_returns=2)` and keeps the second
         return, so it owns the arrays without copying them. Chunks that do not fit
         right now are still returned in `refs` (served, not cached): a read never
-        waits for room. A failed source is a miss for every key.
+        waits for room. A failed source is a miss for every key; an array whose size
+        is not its meta's is a miss too (skipped: neither cached nor served).
 
         `copy=True` is for a source on another node (a peer): a task's return lives in
         the object store of the node that ran it, so the store fetches it and re-puts
@@ -278,18 +300,29 @@ class CPUStoreActor:
         ack = CPUAck(self._incarnation)
         try:
             metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
-            metas = await metas_ref
-            hits = [i for i, m in enumerate(metas) if m is not None]
-            batch_bytes = sum(metas[i].nbytes for i in hits)
-            copy = copy and batch_bytes > INLINE_OBJECT_BYTES  # an inline return is here
-            arrays = await arrays_ref if copy else None
+            metas = list(await metas_ref)
+            if len(metas) != len(keys):
+                raise ValueError(f"the source sent {len(metas)} metas for {len(keys)} keys")
+            listed = [i for i, m in enumerate(metas) if m is not None]
+            # Read to check each array's size against its meta (zero-copy on this node).
+            arrays = await arrays_ref if listed else None
         except Exception as exc:
             logger.warning("pull of %d chunks failed (%s); counted as misses", len(keys), exc)
             ack.missing = list(keys)
             return ack
-        ack.missing = [k for k, m in zip(keys, metas, strict=True) if m is None]
+        bad = payload_problems(metas, arrays, listed)
+        hits = [i for i in listed if i not in bad]
+        ack.missing = [k for i, k in enumerate(keys) if metas[i] is None or i in bad]
+        if bad:
+            first = next(iter(bad.values()))
+            self._skip(ack, [keys[i] for i in bad], reason=f"bad payload from the source: {first}")
         if not hits:
             return ack
+        batch_bytes = sum(metas[i].nbytes for i in hits)
+        # An inline return is here already; a source object with bad arrays is not kept.
+        copy = bool(bad) or (copy and batch_bytes > INLINE_OBJECT_BYTES)
+        if not copy:
+            arrays = None  # the store keeps the source's object, not these views of it
         new = [i for i in hits if keys[i] not in store]
         added: dict[CacheKey, ChunkRef] = {}
         if new:
@@ -364,9 +397,14 @@ class CPUStoreActor:
     async def contains(self, keys: list[CacheKey]) -> list[bool]:
         return [k in self._store for k in keys]
 
-    async def snapshot(self) -> tuple[str, dict[CacheKey, ChunkRef]]:
-        """(incarnation, every cached key's ChunkRef), for a manager rebuilding its index."""
-        return self._incarnation, self._store.snapshot()
+    async def snapshot(self) -> tuple[str, dict[CacheKey, ChunkRef], int]:
+        """(incarnation, every cached key's ChunkRef, the last ack's number), for a manager
+        rebuilding its index."""
+        return self._incarnation, self._store.snapshot(), self._seq
+
+    async def version(self) -> tuple[str, int]:
+        """(incarnation, the last put/pull ack's number): the manager checks it applied them all."""
+        return self._incarnation, self._seq
 
     async def remove(self, keys: list[CacheKey]) -> int:
         n = self._store.remove(keys)

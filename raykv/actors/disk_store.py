@@ -35,10 +35,19 @@ class DiskStoreActor:
         self._store = DiskStore.from_config(config, **overrides)
 
     @ray.method(concurrency_group="write")
-    def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+    def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        priority: float | None = None,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
         # The arrays are zero-copy views of the caller's object; the pending writes
         # hold them until their files are complete.
-        return self._store.put(keys, metas, resolve_batch(batch))
+        ack = self._store.put(keys, metas, resolve_batch(batch), priority, prefix or ())
+        ack.incarnation = self._store.incarnation  # the manager ignores acks of a past life
+        return ack
 
     @ray.method(num_returns=2, concurrency_group="read")
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:

@@ -36,7 +36,7 @@ class ModelWorker:
         num_threads: int | None = None,
         **model_overrides: Any,
     ) -> None:
-        from raykv import model as demo
+        from raykv.demo import model as demo
 
         if num_threads is not None:
             if not isinstance(num_threads, int) or num_threads < 1:

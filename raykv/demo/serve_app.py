@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 CacheScope = Literal["shared", "replica"]
 MAX_NEW_TOKENS_LIMIT = 1024
+# Longest prompt the ingress accepts (a replica also bounds prompt + new tokens by its
+# model's context); token ids must fit int32, as raykv keys hash them.
+MAX_PROMPT_TOKENS = 32768
+MAX_TOKEN_ID = 2**31 - 1
 
 # A small model of the demo architecture for tests and a 2-core box (~0.3M parameters).
 TINY_MODEL: dict[str, Any] = {
@@ -49,17 +53,42 @@ TINY_MODEL: dict[str, Any] = {
 }
 
 
-def _check_request(tokens: Any, max_new_tokens: Any) -> tuple[list[int], int]:
+def _check_request(
+    tokens: Any,
+    max_new_tokens: Any,
+    *,
+    vocab_size: int | None = None,
+    context: int | None = None,
+) -> tuple[list[int], int]:
+    """The request's (tokens, max_new_tokens), or `InvalidInputError` saying what is wrong.
+
+    At most `MAX_PROMPT_TOKENS` tokens, each an int in [0, 2**31) (and < `vocab_size` when
+    given); with `context` (the model's), prompt plus new tokens must fit in it.
+    """
     if not isinstance(tokens, list) or not tokens:
         raise InvalidInputError('"tokens" must be a non-empty list of ints')
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise InvalidInputError('"tokens" must hold ints >= 0')
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        raise InvalidInputError(
+            f'"tokens" holds {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS} are accepted'
+        )
+    bound = MAX_TOKEN_ID + 1 if vocab_size is None else min(vocab_size, MAX_TOKEN_ID + 1)
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < bound:
+            what = "vocab_size" if vocab_size is not None and bound == vocab_size else "2**31"
+            raise InvalidInputError(
+                f'"tokens"[{i}] is {t!r:.40}; token ids must be ints in [0, {what}={bound})'
+            )
     if (
         not isinstance(max_new_tokens, int)
         or isinstance(max_new_tokens, bool)
         or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT
     ):
         raise InvalidInputError(f'"max_new_tokens" must be an int in [1, {MAX_NEW_TOKENS_LIMIT}]')
+    if context is not None and len(tokens) + max_new_tokens > context:
+        raise InvalidInputError(
+            f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the model's "
+            f"context of {context} tokens"
+        )
     return tokens, max_new_tokens
 
 
@@ -94,9 +123,10 @@ class KVModelServer:
 
     async def generate(self, tokens: list[int], max_new_tokens: int = 16) -> dict[str, Any]:
         """Generate with raykv; returns tokens, hit_tokens, ttft_s, replica, node and details."""
-        tokens, max_new_tokens = _check_request(tokens, max_new_tokens)
-        if max(tokens) >= self.vocab_size:
-            raise InvalidInputError(f"token ids must be < vocab_size {self.vocab_size}")
+        context = getattr(self.worker.model.config, "max_position_embeddings", None)
+        tokens, max_new_tokens = _check_request(
+            tokens, max_new_tokens, vocab_size=self.vocab_size, context=context
+        )
         async with self._lock:
             out = await asyncio.to_thread(self.worker.generate, tokens, max_new_tokens)
         self.summary.add(chunk_ids(self.worker.kv._keys, tokens))

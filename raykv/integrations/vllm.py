@@ -444,7 +444,9 @@ class RayKVConnector(KVConnectorBase_V1):
         object-store put and the manager call run in the background."""
         bs = self._block_size
         try:
-            spans = [s for s in self._kv.spans(spec.tokens) if s.start >= spec.start]
+            every = self._kv.spans(spec.tokens)
+            spans = [s for s in every if s.start >= spec.start]
+            prefix = [s.key for s in every if s.start < spec.start]  # already saved
             copies = [self._pages.save(spec.block_ids[s.start // bs : s.end // bs]) for s in spans]
         except (InvalidInputError, RuntimeError) as exc:
             logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
@@ -466,11 +468,18 @@ class RayKVConnector(KVConnectorBase_V1):
         self.saved_chunks += len(spans)
         buffers = [buf for buf, _ in copies]
         metas = [m for _, m in copies]
-        self._saver.submit(self._put, spans, buffers, metas, nbytes)
+        self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix)
 
-    def _put(self, spans: list[Any], buffers: list[np.ndarray], metas: list[Any], n: int) -> None:
+    def _put(
+        self,
+        spans: list[Any],
+        buffers: list[np.ndarray],
+        metas: list[Any],
+        n: int,
+        prefix: list[Any],
+    ) -> None:
         try:
-            self._kv.put_chunks(spans, buffers, metas)
+            self._kv.put_chunks(spans, buffers, metas, prefix=prefix)
         except Exception:  # a background save must never take the engine down
             logger.exception("raykv background save failed")
         finally:

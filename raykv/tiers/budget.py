@@ -5,8 +5,11 @@ Ray-free: unit-tested in `tests/unit` without starting Ray.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raykv.errors import InvalidInputError
@@ -16,15 +19,43 @@ from raykv.policies import make_policy, touch_prefix
 DEFAULT_EXPECTED_CHUNK_BYTES = 2 << 20
 
 
+def check_priority(priority: object) -> None:
+    """A put's eviction priority is None or a finite int or float (not a bool)."""
+    if priority is None:
+        return
+    if not isinstance(priority, bool) and isinstance(priority, numbers.Real):
+        if isinstance(priority, numbers.Integral) or math.isfinite(priority):
+            return
+    raise InvalidInputError(f"priority={priority!r} is invalid; allowed: None or a finite number")
+
+
+@dataclass(slots=True, eq=False)
+class _Chain:
+    """A request's keys (shallowest first) waiting for their writes before `place` runs."""
+
+    keys: list
+    priority: float | None
+    spared: bool
+    waiting: int = 0
+
+
 class ByteBudgetIndex:
     """Sizes of the entries of one tier, its eviction policy and its byte budget.
 
     Not thread-safe: the owning tier holds its lock around every call. Space for an
     entry being written is *reserved* first (evicting complete entries by policy to make
     room) and *committed* once the entry is complete, so `used + reserved` never exceeds
-    capacity. The put that admitted keys places them in the policy with `order()` once
-    (in request order, not write-completion order); a key is evictable only once it is
-    both complete and ordered, so a request never evicts its own earlier chunks.
+    capacity.
+
+    Only evictable keys are in the policy, so eviction never walks over the others: a
+    key enters it when it is complete *and* the put that admitted it has placed its
+    request with `place()`. `place` waits for the request's pending writes, then walks
+    the request's chain deepest first, inserting its new keys and touching the ones
+    held before, so the first chunk of a request ends the most recent and an earlier
+    chunk is never evicted before a later one, across requests too (a multi-turn chat
+    adds deeper chunks to a prefix cached earlier). Between `spare(chain)` and its
+    `place(..., spared=True)` the chain's held keys are not evicted: a request never
+    makes room for its new chunks by evicting its own prefix.
     """
 
     def __init__(
@@ -42,6 +73,8 @@ class ByteBudgetIndex:
         self._policy = make_policy(policy, slots)
         self._sizes: dict[Hashable, int] = {}
         self._reserved: dict[Hashable, int] = {}
+        self._waiting: dict[Hashable, list[_Chain]] = {}  # pending key -> chains to place
+        self._spared: dict[Hashable, int] = {}  # key -> puts admitting its request
         self.used = 0
         self.reserved = 0
 
@@ -64,11 +97,12 @@ class ByteBudgetIndex:
         """Touch a request's hits deepest first (see `raykv.policies.touch_prefix`)."""
         touch_prefix(self._policy, keys)
 
-    def _complete(self, key: Hashable) -> bool:
-        return key in self._sizes
-
     def _evict_one(self, incoming: Hashable = None) -> tuple[Hashable, int] | None:
-        got = self._policy.evict(1, self._complete, incoming=incoming)
+        # Only complete, placed keys are in the policy: just the spared chains (a few
+        # requests' keys) are skipped, never the pending writes.
+        spared = self._spared
+        can_evict = (lambda k: k not in spared) if spared else None
+        got = self._policy.evict(1, can_evict, incoming=incoming)
         if not got:
             return None
         size = self._sizes.pop(got[0])
@@ -95,23 +129,74 @@ class ByteBudgetIndex:
             self.reserved += size
         return fits, victims
 
-    def order(self, keys: Iterable[Hashable]) -> None:
-        """Insert admitted keys into the policy, in the given order (last = most recent)."""
+    def spare(self, keys: Iterable[Hashable]) -> None:
+        """Keep `keys` (a request's chain being admitted) from eviction until the matching
+        `place(keys, spared=True)` has placed them."""
+        spared = self._spared
         for key in keys:
-            if key in self._reserved or key in self._sizes:
-                self._policy.insert(key)
+            spared[key] = spared.get(key, 0) + 1
+
+    def place(
+        self, keys: Sequence[Hashable], priority: float | None = None, *, spared: bool = False
+    ) -> None:
+        """Place a request's chain `keys` (request order: shallowest first) in the policy.
+
+        Deepest first, each new complete key is inserted (with `priority`) and each key
+        already in the policy touched, so `keys[0]` ends the most recent. Keys whose
+        write is pending hold the whole chain back until each commits or is unreserved
+        (the order is request order, not write-completion order). With `spared`, ends
+        the `spare(keys)` taken for this put once the chain is placed.
+        """
+        chain = _Chain(list(keys), priority, spared)
+        for key in dict.fromkeys(chain.keys):
+            if key in self._reserved:
+                self._waiting.setdefault(key, []).append(chain)
+                chain.waiting += 1
+        if not chain.waiting:
+            self._settle(chain)
+
+    def _settle(self, chain: _Chain) -> None:
+        policy, sizes = self._policy, self._sizes
+        seen: set[Hashable] = set()
+        for key in reversed(chain.keys):
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in policy:
+                policy.touch(key)
+            elif key in sizes:
+                policy.insert(key, priority=chain.priority)
+        if chain.spared:
+            spared = self._spared
+            for key in seen:
+                left = spared.get(key, 0) - 1
+                if left > 0:
+                    spared[key] = left
+                else:
+                    spared.pop(key, None)
+
+    def _wake(self, key: Hashable) -> None:
+        """`key`'s write ended: place the chains that waited only for it."""
+        for chain in self._waiting.pop(key, ()):
+            chain.waiting -= 1
+            if not chain.waiting:
+                self._settle(chain)
+
+    def order(self, keys: Iterable[Hashable]) -> None:
+        """Place admitted keys given deepest first (last = most recent); see `place`."""
+        self.place(list(keys)[::-1])
 
     def commit(self, key: Hashable, size: int) -> None:
         """Turn `key`'s reservation into an entry of its real size (at most the reservation)."""
         self.reserved -= self._reserved.pop(key, 0)
         self._sizes[key] = size
         self.used += size
+        self._wake(key)
 
     def unreserve(self, key: Hashable) -> None:
         """Drop a reservation whose write failed or was cancelled."""
         self.reserved -= self._reserved.pop(key, 0)
-        if key not in self._sizes:
-            self._policy.remove(key)
+        self._wake(key)
 
     def add(self, key: Hashable, size: int) -> None:
         """Record an entry without a reservation (index rebuild); may exceed capacity."""
@@ -200,4 +285,10 @@ class BoundedKeySet:
         self._keys.clear()
 
 
-__all__ = ["DEFAULT_EXPECTED_CHUNK_BYTES", "BoundedKeySet", "ByteBudgetIndex", "check_put_lengths"]
+__all__ = [
+    "DEFAULT_EXPECTED_CHUNK_BYTES",
+    "BoundedKeySet",
+    "ByteBudgetIndex",
+    "check_priority",
+    "check_put_lengths",
+]

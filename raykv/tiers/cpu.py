@@ -7,18 +7,23 @@ is charged in full until its last live chunk is evicted. Inserting a request's c
 deepest-first and touching them the same way (prefix-closed) makes the deep chunks of one
 request leave together, which keeps the gap between physical and live bytes
 (`fragmentation` in `stats()`) small.
+
+Only evictable entries are in the policy: a batch with a pinned chunk leaves it on its
+first pin and comes back (as the most recent) on its last unpin, so eviction never walks
+over pinned entries, however many there are.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.policies import make_policy, touch_prefix
+from raykv.tiers.budget import check_priority
 from raykv.wire import TIER_CPU, ChunkRef
 
 # A policy's `capacity` is an object count; size it for chunks of about this many bytes.
@@ -27,14 +32,17 @@ _TYPICAL_CHUNK_BYTES = 1 << 20
 CLOSED_LOOKUP_SECS = 60.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Batch:
     """One Ray object holding `list[np.ndarray]`; freed when its last live chunk goes."""
 
     ref: Any
     nbytes: int
     live: int = 0
-    pins: int = 0  # pins held on its chunks: a batch with any pinned chunk is not evictable
+    # Pins held on its chunks: a batch with any pinned chunk is not evictable, and its
+    # chunks are out of the policy meanwhile.
+    pins: int = 0
+    keys: list[CacheKey] = field(default_factory=list)  # indexed here, in request order
 
 
 @dataclass(slots=True)
@@ -43,6 +51,43 @@ class _Entry:
     chunk: ChunkRef
     nbytes: int
     pins: int = 0
+    priority: float | None = None  # given again to the policy when its batch is unpinned
+
+
+def _nbytes(array: Any) -> int | None:
+    n = getattr(array, "nbytes", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def payload_problem(meta: Any, array: Any) -> str | None:
+    """Why `array` cannot be cached as the chunk `meta` describes, or None if it can.
+
+    A reader rebuilds the chunk from `meta`, so an array of another size would make every
+    later retrieve of its key fail.
+    """
+    if not isinstance(meta, PayloadMeta):
+        return f"meta is a {type(meta).__name__}, not a PayloadMeta"
+    actual = _nbytes(array)
+    if actual != meta.nbytes:
+        what = f"{actual} bytes" if actual is not None else f"a {type(array).__name__}"
+        return f"array has {what}, its meta declares {meta.nbytes} bytes"
+    return None
+
+
+def payload_problems(metas: Any, arrays: Any, indices: Iterable[int]) -> dict[int, str]:
+    """`payload_problem` of `metas[i]` and `arrays[i]` for each i, only where there is one
+    (a missing meta or array is one too; never raises)."""
+    out: dict[int, str] = {}
+    for i in indices:
+        try:
+            meta, array = metas[i], arrays[i]
+        except Exception as exc:
+            out[i] = f"no meta or array at {i} ({type(exc).__name__})"
+            continue
+        why = payload_problem(meta, array)
+        if why is not None:
+            out[i] = why
+    return out
 
 
 @dataclass(slots=True)
@@ -116,6 +161,17 @@ class CPUStore:
         entry = self._entries.get(key)
         return entry.pins if entry is not None else 0
 
+    def split(self, keys: Sequence[CacheKey]) -> tuple[list[CacheKey], dict[CacheKey, int]]:
+        """(keys already cached, {new key: its first position in `keys`}), for a put."""
+        present: list[CacheKey] = []
+        new: dict[CacheKey, int] = {}
+        for i, key in enumerate(keys):
+            if key in self._entries:
+                present.append(key)
+            elif key not in new:
+                new[key] = i
+        return present, new
+
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes - self.reserved_bytes
@@ -127,23 +183,27 @@ class CPUStore:
 
     # ----- allocation -----
 
-    def _can_evict(self, key: CacheKey) -> bool:
-        # Memory is charged per batch: evicting a chunk whose batch has a pinned chunk
-        # frees nothing, so such a batch's chunks all stay.
-        return self._entries[key].batch.pins == 0
+    def _spare(self, keys: Iterable[CacheKey]) -> tuple[Callable[[CacheKey], bool] | None, int]:
+        """A `can_evict` sparing the unpinned batches holding `keys`, and their bytes.
 
-    def make_room(self, nbytes: int) -> tuple[bool, list[CacheKey]]:
-        """Evict unpinned batches' entries by policy until `nbytes` fit; (fits, evicted).
-
-        Never evicts a pinned entry nor a sibling of one (that would free no memory),
-        and evicts nothing at all when even evicting everything evictable would not
-        make `nbytes` fit.
+        A put spares its request's cached chunks: making room for the new, deeper chunks
+        by evicting their own prefix would leave them dead weight. Only those batches'
+        chunks are ever walked over (pinned ones are out of the policy).
         """
+        entries = self._entries
+        spared = {e.batch for k in keys if (e := entries.get(k)) is not None and not e.batch.pins}
+        if not spared:
+            return None, 0
+        return (lambda k: entries[k].batch not in spared), sum(b.nbytes for b in spared)
+
+    def _make_room(
+        self, nbytes: int, can_evict: Callable[[CacheKey], bool] | None, room: int
+    ) -> tuple[bool, list[CacheKey]]:
         evicted: list[CacheKey] = []
-        if nbytes > self.obtainable_bytes:
+        if nbytes > room:
             return False, evicted
         while self.free_bytes < nbytes:
-            victims = self._policy.evict(1, self._can_evict)
+            victims = self._policy.evict(1, can_evict)
             if not victims:
                 return False, evicted
             for key in victims:
@@ -151,25 +211,40 @@ class CPUStore:
                 evicted.append(key)
         return True, evicted
 
-    def allocate(self, sizes: Sequence[int], *, partial: bool) -> tuple[int, list[CacheKey]]:
+    def make_room(self, nbytes: int, spare: Iterable[CacheKey] = ()) -> tuple[bool, list[CacheKey]]:
+        """Evict unpinned batches' entries by policy until `nbytes` fit; (fits, evicted).
+
+        Never evicts a pinned entry nor a sibling of one (that would free no memory),
+        nor an entry of the batches holding `spare`, and evicts nothing at all when
+        even evicting everything evictable would not make `nbytes` fit.
+        """
+        can_evict, held = self._spare(spare)
+        return self._make_room(nbytes, can_evict, self.obtainable_bytes - held)
+
+    def allocate(
+        self, sizes: Sequence[int], *, partial: bool, spare: Iterable[CacheKey] = ()
+    ) -> tuple[int, list[CacheKey]]:
         """Make room for chunks of `sizes` and reserve it; (how many fit, evicted keys).
 
         All or nothing unless `partial`, which takes the longest prefix that fits
-        (earlier chunks of a request are worth more: later ones need them).
+        (earlier chunks of a request are worth more: later ones need them). The batches
+        holding `spare` (the request's chunks already cached) are not evicted.
         """
         total = sum(sizes)
-        fits, evicted = self.make_room(total)
+        can_evict, held = self._spare(spare)
+        room = self.obtainable_bytes - held
+        fits, evicted = self._make_room(total, can_evict, room)
         if fits:
             self.reserved_bytes += total
             return len(sizes), evicted
         if not partial:
             return 0, evicted
-        n, room, taken = 0, self.obtainable_bytes, 0
+        n, taken = 0, 0
         while n < len(sizes) and taken + sizes[n] <= room:
             taken += sizes[n]
             n += 1
         if taken:
-            fits, more = self.make_room(taken)
+            fits, more = self._make_room(taken, can_evict, room)
             evicted += more
             if not fits:  # pragma: no cover - obtainable_bytes said it would fit
                 return 0, evicted
@@ -190,17 +265,24 @@ class CPUStore:
         batch_bytes: int | None = None,
         reserved: int = 0,
         lookup_id: str | None = None,
+        chain: Sequence[CacheKey] | None = None,
+        priority: float | None = None,
     ) -> dict[CacheKey, ChunkRef]:
         """Index `keys[i]` as chunk `indices[i]` of the batch object `ref`.
 
         `batch_bytes` is the object's physical size (default: the chunks' sizes);
         `reserved` the reservation it replaces. Keys already cached keep their first
-        copy, and a key repeated in `keys` is indexed once. Chunks go into the policy
-        deepest first, so the first chunk of a request is the most recently used. With
-        `lookup_id` the new entries are pinned under it at once (a prefetch must not
-        lose them before its get), unless that lookup was already released. Returns
-        the entries added.
+        copy, and a key repeated in `keys` is indexed once. With `lookup_id` the new
+        entries are pinned under it at once (a prefetch must not lose them before its
+        get), unless that lookup was already released. Returns the entries added.
+
+        `chain` is the request's keys in order, those already cached included (default:
+        `keys`). Walking it deepest first, new chunks enter the policy (with `priority`)
+        and cached ones are touched, so the request's first chunk ends the most recently
+        used and an earlier chunk never leaves before a later one, across requests too
+        (the next turn of a chat adds deeper chunks to a prefix cached before).
         """
+        check_priority(priority)
         indices = range(len(keys)) if indices is None else indices
         entries = self._entries
         new = []
@@ -213,20 +295,32 @@ class CPUStore:
         if not new:
             return {}
         size = sum(m.nbytes for _, m, _ in new) if batch_bytes is None else batch_bytes
-        batch = _Batch(ref, size, live=len(new))
+        batch = _Batch(ref, size, live=len(new), keys=[k for k, _, _ in new])
         self.used_bytes += size
         self.batches += 1
         out: dict[CacheKey, ChunkRef] = {}
         for key, meta, index in new:
             chunk = ChunkRef(ref, index, meta)
-            self._entries[key] = _Entry(batch, chunk, meta.nbytes)
+            self._entries[key] = _Entry(batch, chunk, meta.nbytes, priority=priority)
             self.live_bytes += meta.nbytes
             out[key] = chunk
-        for key, _, _ in reversed(new):
-            self._policy.insert(key)
+        self._place(keys if chain is None else chain, out, priority)
         if lookup_id is not None:
             self.pin(lookup_id, list(out))
         return out
+
+    def _place(self, chain: Sequence[CacheKey], added: Any, priority: float | None) -> None:
+        """Deepest first: insert the chain's `added` keys, touch its other cached ones."""
+        policy = self._policy
+        seen: set[CacheKey] = set()
+        for key in reversed(chain):
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in added:
+                policy.insert(key, priority=priority)
+            else:
+                policy.touch(key)  # a no-op when absent or pinned (out of the policy)
 
     def _drop(self, key: CacheKey) -> None:
         entry = self._entries.pop(key)
@@ -241,6 +335,7 @@ class CPUStore:
             if self._on_release is not None:
                 self._on_release(batch.ref, batch.nbytes)
             batch.ref = None  # the store's reference goes; Ray frees the object
+            batch.keys = []
         self.evictions += 1
 
     def remove(self, keys: Sequence[CacheKey]) -> int:
@@ -262,6 +357,25 @@ class CPUStore:
 
     # ----- pins, leases, touches -----
 
+    def _live_keys(self, batch: _Batch) -> list[CacheKey]:
+        """The keys still indexed in `batch` (a key may since live in another batch)."""
+        entries = self._entries
+        return [k for k in batch.keys if (e := entries.get(k)) is not None and e.batch is batch]
+
+    def _leave(self, batch: _Batch) -> None:
+        """First pin: the batch's chunks leave the policy until its last unpin."""
+        remove = self._policy.remove
+        for key in self._live_keys(batch):
+            remove(key)
+
+    def _return(self, batches: list[_Batch]) -> None:
+        """Last unpins: `batches` (in pin order) re-enter the policy as the most recent,
+        deepest chunk first, so the first chunk of the first batch ends the most recent."""
+        insert, entries = self._policy.insert, self._entries
+        for batch in reversed(batches):
+            for key in reversed(self._live_keys(batch)):
+                insert(key, priority=entries[key].priority)
+
     def pin(self, lookup_id: str, keys: Sequence[CacheKey], lease_secs: float | None = None) -> int:
         """Pin the cached `keys` under `lookup_id` until `unpin` or the lease ends.
 
@@ -281,8 +395,9 @@ class CPUStore:
                 entry.pins += 1
                 batch = entry.batch
                 batch.pins += 1
-                if batch.pins == 1 and batch.live:
+                if batch.pins == 1:
                     self.pinned_bytes += batch.nbytes
+                    self._leave(batch)
                 lease.entries.append(entry)
                 n += 1
         return n
@@ -300,12 +415,15 @@ class CPUStore:
             return 0
         # The lease holds the entries it pinned, so a key evicted and re-added since
         # is not unpinned by mistake.
+        freed: list[_Batch] = []
         for entry in lease.entries:
             entry.pins -= 1
             batch = entry.batch
             batch.pins -= 1
             if batch.pins == 0 and batch.live:
                 self.pinned_bytes -= batch.nbytes
+                freed.append(batch)
+        self._return(freed)
         return len(lease.entries)
 
     def is_closed(self, lookup_id: str) -> bool:
@@ -333,7 +451,10 @@ class CPUStore:
         return min((lease.deadline for lease in self._leases.values()), default=None)
 
     def touch(self, keys: Sequence[CacheKey]) -> None:
-        """Apply a request's hits at once, prefix-closed (the first chunk ends most recent)."""
+        """Apply a request's hits at once, prefix-closed (the first chunk ends most recent).
+
+        Pinned chunks are out of the policy: their touch is their return on the last unpin.
+        """
         touch_prefix(self._policy, keys)
 
     # ----- reporting -----
@@ -360,4 +481,4 @@ class CPUStore:
         }
 
 
-__all__ = ["CLOSED_LOOKUP_SECS", "CPUStore"]
+__all__ = ["CLOSED_LOOKUP_SECS", "CPUStore", "payload_problem", "payload_problems"]

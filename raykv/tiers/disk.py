@@ -48,13 +48,21 @@ from raykv.payload import (
     encode_parts,
     read_header,
 )
-from raykv.tiers.budget import DEFAULT_EXPECTED_CHUNK_BYTES, ByteBudgetIndex, check_put_lengths
+from raykv.tiers.budget import (
+    DEFAULT_EXPECTED_CHUNK_BYTES,
+    ByteBudgetIndex,
+    check_priority,
+    check_put_lengths,
+)
 from raykv.wire import TIER_DISK, PutAck
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".rkv"
 TMP_SUFFIX = ".tmp"
+# A temp file untouched this long is a crashed write's leftover: a live write keeps its
+# file's mtime fresh (each write() updates it), so on start older temps are removed.
+STALE_TMP_SECS = 60.0
 LAYOUT_FILE = "raykv-layout.json"
 SHARD_CHARS = 2  # one level of 256 shard directories: ~400 files each at 100k chunks
 # Batches whose chunks average at least this many bytes are read on the read pool.
@@ -184,7 +192,10 @@ def _open_regular(path: str) -> Any:
 
 
 def _read_file(
-    path: str, expected_size: int | None = None, max_nbytes: int = MAX_PAYLOAD_BYTES
+    path: str,
+    expected_size: int | None = None,
+    max_nbytes: int = MAX_PAYLOAD_BYTES,
+    secret: str | None = None,
 ) -> np.ndarray:
     """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
 
@@ -192,14 +203,15 @@ def _read_file(
     whose size is not `expected_size` (the size the index recorded), whose header does
     not parse, declares more than `max_nbytes`, or does not match the file's size is
     refused after reading at most `_HEADER_PREFIX` bytes (a planted huge file must not
-    be read into memory).
+    be read into memory). With `secret`, a plain (unkeyed) record is refused at the header,
+    and one without a secret refuses a keyed record (`decode` then checks the tag).
     """
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
         head = f.read(min(size, _HEADER_PREFIX))
-        header = read_header(head, max_nbytes)
+        header = read_header(head, max_nbytes, secret=secret)
         if header.header_len + header.nbytes != size:
             raise PayloadError(
                 f"file has {size} bytes, its header declares {header.header_len} + {header.nbytes}"
@@ -275,7 +287,10 @@ class DiskStore:
         queue_wait_s: float = 1.0,
         expected_chunk_bytes: int = DEFAULT_EXPECTED_CHUNK_BYTES,
         read_workers: int = 2,
+        payload_secret: str | None = None,
     ) -> None:
+        if payload_secret is not None and not payload_secret:
+            raise InvalidInputError("payload_secret must be None or a non-empty string")
         if write_workers < 1 or max_pending_writes < 1:
             raise InvalidInputError(
                 f"write_workers={write_workers} and max_pending_writes={max_pending_writes} "
@@ -292,6 +307,8 @@ class DiskStore:
             "chunk_size": chunk_size,
         }
         self._fsync = fsync
+        # Files are keyed (HMAC) records when set: see raykv.payload. Never shown anywhere.
+        self._secret = payload_secret
         self._queue_wait_s = queue_wait_s
         self._index = ByteBudgetIndex(capacity_bytes, policy, expected_chunk_bytes)
         self._lock = threading.Lock()
@@ -321,11 +338,11 @@ class DiskStore:
     def from_config(cls, config: Any, **overrides: Any) -> DiskStore:
         """A store for `config.local_disk` sized by `max_local_disk_size`.
 
-        `extra_config` may set `disk_fsync` (bool) and `disk_queue_wait_secs` (float).
+        Every other setting comes from its `config` field (`disk_write_workers`,
+        `disk_fsync`, `disk_queue_wait_secs`, ...); `overrides` (constructor keywords) win.
         """
         if not config.local_disk:
             raise InvalidInputError("local_disk is not set; the disk tier is disabled")
-        extra = config.extra_config
         kwargs: dict[str, Any] = {
             "model_name": config.model_name,
             "kv_dtype": config.kv_dtype,
@@ -333,8 +350,9 @@ class DiskStore:
             "policy": config.policy_for(TIER_DISK),
             "write_workers": config.disk_write_workers,
             "max_pending_writes": config.disk_max_pending_writes,
-            "fsync": bool(extra.get("disk_fsync", False)),
-            "queue_wait_s": float(extra.get("disk_queue_wait_secs", 1.0)),
+            "fsync": config.disk_fsync,
+            "queue_wait_s": config.disk_queue_wait_secs,
+            "payload_secret": config.payload_secret,
         }
         kwargs.update(overrides)
         return cls(config.local_disk, config.max_local_disk_bytes, **kwargs)
@@ -386,14 +404,48 @@ class DiskStore:
             except FileNotFoundError:
                 continue
 
+    def _layout_temps(self) -> list[os.DirEntry[str]]:
+        """Temp files of `_write_layout_file` in the layout directory (not in a shard)."""
+        try:
+            with os.scandir(self.directory) as it:
+                return [
+                    e
+                    for e in it
+                    if e.name.startswith(LAYOUT_FILE + ".") and e.name.endswith(TMP_SUFFIX)
+                ]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _remove_if_stale(entry: os.DirEntry[str], now: float) -> bool:
+        """Remove a temp file not modified for `STALE_TMP_SECS` (True if removed).
+
+        A younger one may belong to a live writer (another DiskStore on this directory,
+        in this process or another); `check(fix=True)` removes those too.
+        """
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode) or now - st.st_mtime < STALE_TMP_SECS:
+            return False
+        return _unlink(entry.path)
+
     def _rebuild(self) -> None:
-        """Rebuild the index from names and sizes (no file bodies are read)."""
+        """Rebuild the index from names and sizes (no file bodies are read); remove temp
+        files that crashed writes left behind (older than `STALE_TMP_SECS`)."""
         found: list[tuple[float, CacheKey, int]] = []
-        temps = bad = 0
+        temps = bad = removed = 0
+        now = time.time()
+        for entry in self._layout_temps():
+            removed += self._remove_if_stale(entry, now)
         for _, entry in self._scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
-                temps += 1
+                if self._remove_if_stale(entry, now):
+                    removed += 1
+                else:
+                    temps += 1
                 continue
             if not name.endswith(SUFFIX):
                 continue
@@ -416,9 +468,14 @@ class DiskStore:
         for key, _ in victims:
             _unlink(self.path_of(key))
         self._count("evictions", len(victims))
+        if removed:
+            logger.info(
+                "disk tier %s: removed %d temp files of crashed writes", self.directory, removed
+            )
         if temps or bad:
             logger.info(
-                "disk tier %s: %d temp files and %d unparsable names left; run check(fix=True)",
+                "disk tier %s: %d recent temp files and %d unparsable names left; "
+                "run check(fix=True)",
                 self.directory,
                 temps,
                 bad,
@@ -436,13 +493,19 @@ class DiskStore:
 
         Finds temp files left by a crash, files with unparsable names or bad headers
         (all bodies too when `deep`), index entries whose file is gone, and complete
-        files missing from the index. With `fix`, removes the bad files and temp files,
-        drops dead entries, adopts unindexed files and evicts down to capacity.
+        files missing from the index. With `fix`, removes the bad files and every temp
+        file of any age but this store's own writes in flight (so run it while no other
+        store writes to this directory), drops dead entries, adopts unindexed files and
+        evicts down to capacity.
         """
         report = dict.fromkeys(
             ("files", "temp_files", "bad_files", "missing_files", "adopted", "unknown_files"), 0
         )
         seen: set[CacheKey] = set()
+        for entry in self._layout_temps():
+            report["temp_files"] += 1
+            if fix:
+                _unlink(entry.path)
         for _, entry in self._scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
@@ -495,12 +558,13 @@ class DiskStore:
         """Why the file at `path` is not a valid record of `key`, or None if it is."""
         try:
             if deep:
-                decode(_read_file(path, None, self._index.capacity), key.to_string(), key.kv_dtype)
+                data = _read_file(path, None, self._index.capacity, self._secret)
+                decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
                 return None
             with _open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(_HEADER_PROBE)
-            header = read_header(head)
+            header = read_header(head, secret=self._secret)
         except FileNotFoundError:
             return None  # removed meanwhile: nothing to fix here
         except (OSError, PayloadError) as exc:
@@ -528,36 +592,51 @@ class DiskStore:
     # ----- writes -----
 
     def put(
-        self, keys: Sequence[CacheKey], metas: Sequence[PayloadMeta], arrays: Sequence[np.ndarray]
+        self,
+        keys: Sequence[CacheKey],
+        metas: Sequence[PayloadMeta],
+        arrays: Sequence[np.ndarray],
+        priority: float | None = None,
+        prefix: Sequence[CacheKey] = (),
     ) -> PutAck:
         """Admit chunks (evicting to make room) and write them in the background.
 
-        A key already held or being written is accepted without a rewrite. When the
-        write queue is full, waits for a slot until one deadline, `queue_wait_s` after
-        the call, for the whole put; once it passed, the remaining chunks are skipped.
+        `keys` are one request's chunks in order; `prefix` names the request's chunks
+        before `keys[0]` when the caller sends only the new ones. A key already held or
+        being written is accepted without a rewrite. The request's chain (`prefix` +
+        `keys`) stays prefix-closed: its held chunks are not evicted to make room for
+        its new ones, and once the new files are complete the chain is placed deepest
+        first (see `ByteBudgetIndex.place`); new chunks enter the policy with `priority`.
+        When the write queue is full, waits for a slot until one deadline,
+        `queue_wait_s` after the call, for the whole put; once it passed, the remaining
+        chunks are skipped.
         """
         check_put_lengths(keys, metas, arrays)
+        check_priority(priority)
         if self._closed:
             raise InvalidInputError("put on a closed DiskStore")
         ack = PutAck()
+        chain = [*prefix, *keys]
         deadline = time.monotonic() + self._queue_wait_s
         queue_full = 0
-        for key, meta, array in zip(keys, metas, arrays, strict=True):
-            if queue_full:
-                ack.skipped.append(key)
-                queue_full += 1
-            elif not self._put_one(key, meta, array, ack, deadline):
-                queue_full = 1
+        with self._lock:
+            self._index.spare(chain)
+        try:
+            for key, meta, array in zip(keys, metas, arrays, strict=True):
+                if queue_full:
+                    ack.skipped.append(key)
+                    queue_full += 1
+                elif not self._put_one(key, meta, array, ack, deadline):
+                    queue_full = 1
+        finally:
+            with self._lock:
+                self._index.place(chain, priority, spared=True)
         if queue_full:
             logger.warning(
                 "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
                 self._queue_wait_s,
                 queue_full,
             )
-        with self._lock:
-            # Deepest chunk first, so a request's first chunk is the most recent and the
-            # cache stays prefix-closed (a chunk is useless without its parent).
-            self._index.order(reversed(ack.accepted))
         if ack.skipped:
             self._count("skipped", len(ack.skipped))
             metrics.inc("raykv_skipped_stores", len(ack.skipped), tier=TIER_DISK)
@@ -633,7 +712,7 @@ class DiskStore:
         final = self.path_of(rec.key)
         size = -1
         try:
-            head, body = encode_parts(rec.array, rec.meta, rec.key.to_string())
+            head, body = encode_parts(rec.array, rec.meta, rec.key.to_string(), secret=self._secret)
             parts = (head, body)
             try:
                 _write_file(rec.tmp_path, parts, self._fsync)
@@ -724,9 +803,8 @@ class DiskStore:
         with self._lock:
             expected = self._index.size_of(key)
         try:
-            decoded = decode(
-                _read_file(path, expected, self._index.capacity), key.to_string(), key.kv_dtype
-            )
+            data = _read_file(path, expected, self._index.capacity, self._secret)
+            decoded = decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
             self._drop(key, unlink=False)

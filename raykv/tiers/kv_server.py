@@ -15,7 +15,7 @@ import numpy as np
 
 from raykv import metrics
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta
+from raykv.payload import PayloadMeta, buffer_problem
 from raykv.tiers.budget import ByteBudgetIndex, check_put_lengths
 from raykv.wire import TIER_REMOTE, PutAck
 
@@ -51,15 +51,20 @@ class KVServerState:
     def put(
         self, keys: Sequence[CacheKey], metas: Sequence[PayloadMeta], arrays: Sequence[np.ndarray]
     ) -> PutAck:
-        """Store chunks not held yet, evicting by policy to make room."""
+        """Store chunks not held yet, evicting by policy to make room.
+
+        A chunk whose array is not a byte buffer of its meta's declared size (or whose
+        meta is not a valid `PayloadMeta`) is skipped and counted, never stored.
+        """
         check_put_lengths(keys, metas, arrays)
         ack = PutAck()
         for key, meta, array in zip(keys, metas, arrays, strict=True):
-            size = meta.nbytes
-            if getattr(array, "nbytes", -1) != size:
-                logger.warning("kv server: skipping %s: array size does not match its meta", key)
+            problem = buffer_problem(array, meta)
+            if problem is not None:
+                logger.warning("kv server: skipping %s: %s", key, problem)
                 ack.skipped.append(key)
                 continue
+            size = meta.nbytes
             with self._lock:
                 if key in self._index or key in self._pending:
                     ack.accepted.append(key)
@@ -95,6 +100,7 @@ class KVServerState:
         if ack.evicted:
             policy = self._index.policy_name
             metrics.inc("raykv_evictions", len(ack.evicted), tier=TIER_REMOTE, policy=policy)
+        metrics.inc("raykv_skipped_stores", len(ack.skipped), tier=TIER_REMOTE)
         self._publish()
         return ack
 

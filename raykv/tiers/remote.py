@@ -32,7 +32,7 @@ from raykv import metrics
 from raykv.config import mask_url
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta, decode, encode
+from raykv.payload import PayloadMeta, buffer_problem, decode, encode
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PutAck
 
@@ -99,9 +99,11 @@ class RedisBackend:
     """Chunks as binary codec records under `<namespace>:kv:<key string>` in Redis.
 
     One pipeline (or one MGET / UNLINK) per request. `SET NX` keeps the first value of a
-    key. A value that fails the codec check (garbage, truncated, another key's record)
-    is a miss and is deleted. The password appears only in the client's connection
-    settings: `repr`, logs and stats show the masked URL.
+    key. A value that fails the codec check (garbage, truncated, another key's record;
+    with `payload_secret`, any value whose keyed MAC does not verify) is a miss and is
+    deleted. A chunk whose array does not match its meta is skipped and counted. The
+    password appears only in the client's connection settings: `repr`, logs and stats
+    show the masked URL; the payload secret appears nowhere.
     """
 
     scheme = "redis"
@@ -117,6 +119,8 @@ class RedisBackend:
             ) from exc
         self.masked_url = mask_url(url)
         self.prefix = f"{config.namespace}:kv:"
+        self._secret = getattr(config, "payload_secret", None)
+        self._skipped = 0  # chunks refused by put (array and meta disagree)
         # One immediate retry re-dials a connection that broke while the server restarted;
         # the caller's timeout bounds everything else.
         self._client = aioredis.from_url(
@@ -141,13 +145,19 @@ class RedisBackend:
         sent: list[CacheKey] = []
         for key, meta, array in zip(keys, metas, arrays, strict=True):
             try:
-                record = encode(array, meta, key.to_string())
+                problem = buffer_problem(array, meta)
+                if problem is not None:
+                    raise PayloadError(problem)
+                record = encode(array, meta, key.to_string(), secret=self._secret)
             except PayloadError as exc:
                 logger.warning("redis tier: skipping %s: %s", key, exc)
                 ack.skipped.append(key)
                 continue
             pipe.set(self._name(key), memoryview(record), nx=True)
             sent.append(key)
+        if ack.skipped:
+            self._skipped += len(ack.skipped)
+            metrics.inc("raykv_skipped_stores", len(ack.skipped), tier=TIER_REMOTE)
         if sent:
             await pipe.execute()
         ack.accepted.extend(sent)  # stored now, or an earlier value kept (NX)
@@ -166,7 +176,7 @@ class RedisBackend:
             decoded = None
             if value is not None:
                 try:
-                    decoded = decode(value, key.to_string(), key.kv_dtype)
+                    decoded = decode(value, key.to_string(), key.kv_dtype, secret=self._secret)
                 except PayloadError as exc:
                     logger.warning("redis tier: deleting a corrupt value of %s: %s", key, exc)
                     bad.append(self._name(key))
@@ -218,6 +228,7 @@ class RedisBackend:
             "entries": len(await self._names()),
             "server_used_memory": info.get("used_memory"),
             "server_maxmemory": info.get("maxmemory"),
+            "skipped": self._skipped,
         }
 
     async def server_id(self) -> str:
@@ -232,8 +243,8 @@ class RedisBackend:
 class RayServerBackend:
     """Calls the `KVServer` actor named by `ray://NAME` (created detached if missing).
 
-    `extra_config` may place it: `kv_server_node_id` (a node id) or `kv_server_resources`
-    (a custom resource name or `{name: amount}`).
+    The config fields `kv_server_node_id` (a node id) or `kv_server_resources` (a custom
+    resource name or `{name: amount}`) place a server this creates.
     """
 
     scheme = "ray"
@@ -243,12 +254,11 @@ class RayServerBackend:
 
         self.masked_url = url
         self.name = url[len("ray://") :]
-        extra = config.extra_config
         self._server = get_or_create_kv_server(
             self.name,
             config,
-            node_id=extra.get("kv_server_node_id"),
-            resources=extra.get("kv_server_resources"),
+            node_id=config.kv_server_node_id,
+            resources=config.kv_server_resources,
         )
 
     def __repr__(self) -> str:

@@ -130,6 +130,8 @@ def test_a_copying_pull_caches_its_own_copy_of_the_new_chunks_only(store):
 class _Fragile:
     """Pickles once: after one round trip it refuses to be pickled again."""
 
+    nbytes = NBYTES  # the size its meta declares: it passes the store's size check
+
     def __init__(self) -> None:
         self.copied = False
 
@@ -273,3 +275,44 @@ def test_served_but_not_cached_pulls_do_not_leak_memory() -> None:
     finally:
         ray.kill(handle)
         ray.kill(source)
+
+
+@ray.remote(num_cpus=0)
+class LyingProducer:
+    """`get_batch` whose second chunk is half the size its meta declares."""
+
+    @ray.method(num_returns=2)
+    def get_batch(self, keys):
+        return [meta() for _ in keys], [
+            payload(k, NBYTES // 2 if i == 1 else NBYTES) for i, k in enumerate(keys)
+        ]
+
+
+def test_a_put_of_arrays_of_another_size_than_their_meta_skips_them(store):
+    """Regression (#13 defect 4): they were cached at the declared size and every later
+    read of them raised in the app."""
+    keys = [key(60), key(61), key(62)]
+    arrays = [payload(keys[0]), payload(keys[1], NBYTES // 2), payload(keys[2], 2 * NBYTES)]
+    ack = ray.get(store.put.remote(keys, [meta()] * 3, [ray.put(arrays)]))
+    assert ack.accepted == [key(60)] and ack.skipped == [key(61), key(62)]
+    assert ray.get(store.contains.remote(keys)) == [True, False, False]
+    assert_bytes([key(60)], [ack.refs[key(60)]])
+    stats = ray.get(store.stats.remote())
+    assert stats["used_bytes"] == NBYTES and stats["skipped"] == 2
+    assert put(store, [63]).accepted == [key(63)]  # the actor carries on
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_pulled_array_of_another_size_than_its_meta_is_a_miss(store, copy):
+    producer = LyingProducer.remote()
+    try:
+        keys = [key(70), key(71), key(72)]
+        ack = ray.get(store.pull.remote(producer, keys, copy=copy))
+        assert ack.missing == [key(71)] and ack.skipped == [key(71)]
+        assert ack.accepted == [key(70), key(72)] and set(ack.refs) == {key(70), key(72)}
+        ray.kill(producer)
+        assert_bytes([key(70), key(72)], [ack.refs[key(70)], ack.refs[key(72)]])
+        stats = ray.get(store.stats.remote())
+        assert stats["used_bytes"] == 2 * NBYTES and stats["entries"] == 2
+    finally:
+        ray.kill(producer)

@@ -216,6 +216,15 @@ def test_capacity_eviction_returns_evicted_keys_and_respects_the_budget(tier: Ti
     assert ray.get(tier.handle.contains.remote(evicted)) == [False] * len(evicted)
 
 
+def test_a_chunk_whose_array_disagrees_with_its_meta_is_skipped(tier: Tier) -> None:
+    short = chunk(1)[1][:-2]
+    ack = put(tier.handle, [1, 2], data=[short, chunk(2)[1]], wait=False)
+    assert ack.skipped == [key(1)] and ack.accepted == [key(2)]
+    wait_visible(tier.handle, [key(2)])
+    assert ray.get(tier.handle.contains.remote([key(1)])) == [False]
+    assert_hits(tier.handle, [2])
+
+
 def test_incarnation_is_stable_for_one_actor(tier: Tier) -> None:
     first = ray.get(tier.handle.incarnation.remote())
     assert isinstance(first, str) and first == ray.get(tier.handle.incarnation.remote())
@@ -356,6 +365,49 @@ def test_redis_corrupt_value_is_a_miss_and_is_deleted(tier: Tier) -> None:
     assert metas[:2] == [None, None] and arrays[0].size == 0 and metas[2] == chunk(3)[0]
     assert client.exists(prefix + key(1).to_string(), prefix + key(2).to_string()) == 0
     client.close()
+
+
+def test_payload_secret_keys_disk_and_redis_records_and_refuses_planted_ones(
+    tmp_path: Path, redis_module: RedisServer
+) -> None:
+    from raykv.payload import VERSION_KEYED, encode
+
+    secret = "a shared secret for this test"
+    namespace = f"mac-{uuid.uuid4().hex[:8]}"  # its own Redis key prefix
+    disk_cfg = config(
+        local_disk=str(tmp_path), max_local_disk_size=CAPACITY_GB, payload_secret=secret
+    )
+    redis_cfg = config(remote_url=redis_module.url, payload_secret=secret).replace(
+        namespace=namespace
+    )
+    handles = [DiskStoreActor.remote(disk_cfg), RemoteStoreActor.remote(redis_cfg)]
+    client = redis.Redis.from_url(redis_module.url)
+    try:
+        disk_handle, redis_handle = handles
+        for handle in handles:
+            put(handle, [1, 2])
+            assert_hits(handle, [1, 2])
+        disk_dir = Path(ray.get(disk_handle.stats.remote())["directory"])
+        disk_file = disk_dir / key(1).chunk_hash[:2] / (key(1).to_string() + ".rkv")
+        redis_name = f"{namespace}:kv:{key(1).to_string()}"
+        assert disk_file.read_bytes()[4] == VERSION_KEYED
+        assert client.get(redis_name)[4] == VERSION_KEYED
+        # A writer without the secret plants a valid plain record of key 1 in both.
+        meta, _ = chunk(1)
+        planted = encode(chunk(99)[1], meta, key(1).to_string()).tobytes()
+        disk_file.write_bytes(planted)
+        client.set(redis_name, planted)
+        for handle in handles:
+            metas, arrays = get(handle, [1, 2])
+            assert metas[0] is None and arrays[0].size == 0, "a planted record was served"
+            assert metas[1] == chunk(2)[0] and np.array_equal(arrays[1], chunk(2)[1])
+        assert not disk_file.exists() and not client.exists(redis_name)
+        for handle in handles:
+            assert secret not in repr(ray.get(handle.stats.remote()))
+    finally:
+        client.close()
+        for handle in handles:
+            ray.kill(handle)
 
 
 def test_redis_password_is_masked_in_repr_stats_and_logs(tmp_path: Path, caplog) -> None:

@@ -105,3 +105,21 @@ def test_bad_requests_get_400(served: tuple[str, str]) -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             _post(url, body)
         assert err.value.code == 400
+
+
+def test_oversized_prompts_and_token_ids_get_400_naming_the_problem(
+    served: tuple[str, str],
+) -> None:
+    from raykv.demo.serve_app import MAX_PROMPT_TOKENS
+
+    url, _ = served
+    cases = [
+        ({"tokens": [1] * (MAX_PROMPT_TOKENS + 1)}, f"at most {MAX_PROMPT_TOKENS}"),
+        ({"tokens": [1, 2**31]}, "2**31"),
+        ({"tokens": [1, 1024]}, "vocab_size=1024"),  # checked by the replica (tiny model)
+    ]
+    for body, match in cases:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _post(url, body)
+        assert err.value.code == 400
+        assert match in json.loads(err.value.read())["error"]

@@ -10,6 +10,7 @@ import math
 import pickle
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -619,6 +620,209 @@ def test_extra_config_must_hold_plain_yaml_values(value: dict[object, object]) -
         RayKVConfig(extra_config=value)  # type: ignore[arg-type]
 
 
+# ----- settings that moved out of extra_config -----
+
+NODE_ID = "ab" * 28  # 56 hex digits, the shape of ray.get_runtime_context().get_node_id()
+
+
+def test_moved_settings_default_to_the_values_the_actors_used() -> None:
+    cfg = RayKVConfig()
+    assert cfg.max_lower_writes_in_flight == 32
+    assert cfg.remote_index_max_keys == 1 << 20
+    assert cfg.kv_server_node_id is None
+    assert cfg.kv_server_resources is None
+    assert cfg.disk_fsync is False
+    assert cfg.disk_queue_wait_secs == 1.0 and isinstance(cfg.disk_queue_wait_secs, float)
+    assert set(config_mod.MOVED_FROM_EXTRA) <= set(FIELD_NAMES)
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "expected"),
+    [
+        ("max_lower_writes_in_flight", "8", 8),
+        ("remote_index_max_keys", " 1000 ", 1000),
+        ("kv_server_node_id", NODE_ID, NODE_ID),
+        ("kv_server_node_id", "none", None),
+        ("kv_server_resources", "kv_node", "kv_node"),
+        ("kv_server_resources", "{kv_node: 0.5, ssd: 1}", {"kv_node": 0.5, "ssd": 1.0}),
+        ("kv_server_resources", "", None),
+        ("disk_fsync", "yes", True),
+        ("disk_fsync", "0", False),
+        ("disk_queue_wait_secs", "0", 0.0),
+        ("disk_queue_wait_secs", "2.5", 2.5),
+    ],
+)
+def test_moved_settings_env_override(
+    monkeypatch: pytest.MonkeyPatch, key: str, text: str, expected: object
+) -> None:
+    monkeypatch.setenv(env_name(key), text)
+    assert getattr(RayKVConfig.load(), key) == expected
+    assert getattr(RayKVConfig.from_env(), key) == expected
+
+
+@pytest.mark.parametrize(
+    ("var", "text", "allowed"),
+    [
+        ("RAYKV_MAX_LOWER_WRITES_IN_FLIGHT", "many", "an integer"),
+        ("RAYKV_REMOTE_INDEX_MAX_KEYS", "1e6", "an integer"),
+        ("RAYKV_DISK_FSYNC", "sometimes", "true/false"),
+        ("RAYKV_DISK_QUEUE_WAIT_SECS", "1s", "a number"),
+        ("RAYKV_KV_SERVER_RESOURCES", "{kv: [", "mapping"),
+    ],
+)
+def test_moved_settings_bad_env_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, text: str, allowed: str
+) -> None:
+    monkeypatch.setenv(var, text)
+    with pytest.raises(ConfigError) as err:
+        RayKVConfig.load()
+    message = str(err.value)
+    assert var in message and repr(text) in message and allowed in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("max_lower_writes_in_flight", 0, "integer >= 1"),
+        ("max_lower_writes_in_flight", -3, "integer >= 1"),
+        ("max_lower_writes_in_flight", 2.0, "an integer"),
+        ("max_lower_writes_in_flight", True, "an integer"),
+        ("remote_index_max_keys", 0, "integer >= 1"),
+        ("remote_index_max_keys", "1024", "an integer"),
+        ("disk_fsync", "yes", "a bool"),
+        ("disk_fsync", 1, "a bool"),
+        ("disk_queue_wait_secs", -0.5, ">= 0 seconds"),
+        ("disk_queue_wait_secs", math.inf, "finite"),
+        ("disk_queue_wait_secs", "1", "a number"),
+        ("kv_server_node_id", "node-1", "56 hex digits"),
+        ("kv_server_node_id", NODE_ID[:-2], "56 hex digits"),
+        ("kv_server_node_id", NODE_ID + "0", "56 hex digits"),
+        ("kv_server_node_id", "", "56 hex digits"),
+        ("kv_server_node_id", 7, "a string or null"),
+        ("kv_server_resources", "", "custom resource name"),
+        ("kv_server_resources", "GPU", "not CPU or GPU"),
+        ("kv_server_resources", {"CPU": 1}, "not CPU or GPU"),
+        ("kv_server_resources", {}, "non-empty mapping"),
+        ("kv_server_resources", {"kv": 0}, ">= 0.0001"),
+        ("kv_server_resources", {"kv": -1}, ">= 0.0001"),
+        ("kv_server_resources", {"kv": math.nan}, ">= 0.0001"),
+        ("kv_server_resources", {"kv": "1"}, ">= 0.0001"),
+        ("kv_server_resources", {"kv": True}, ">= 0.0001"),
+        ("kv_server_resources", ["kv"], "custom resource name"),
+        ("kv_server_resources", 3, "custom resource name"),
+    ],
+)
+def test_moved_settings_invalid_values_name_the_field_and_what_is_allowed(
+    key: str, value: object, allowed: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        RayKVConfig.from_dict({key: value})
+    message = str(err.value)
+    assert f"invalid {key}=" in message and allowed in message
+
+
+def test_moved_settings_valid_values() -> None:
+    cfg = RayKVConfig(
+        max_lower_writes_in_flight=1,
+        remote_index_max_keys=1,
+        kv_server_node_id=NODE_ID.upper(),
+        kv_server_resources={"kv_node": 2},
+        disk_fsync=True,
+        disk_queue_wait_secs=0,
+    )
+    assert cfg.kv_server_resources == {"kv_node": 2.0}
+    assert isinstance(cfg.kv_server_resources["kv_node"], float)
+    assert cfg.disk_queue_wait_secs == 0.0 and isinstance(cfg.disk_queue_wait_secs, float)
+    assert RayKVConfig(kv_server_resources="kv_node").kv_server_resources == "kv_node"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("max_lower_writes_in_flight", 4),
+        ("remote_index_max_keys", 100),
+        ("kv_server_node_id", NODE_ID),
+        ("kv_server_resources", {"kv_node": 1}),
+        ("disk_fsync", True),
+        ("disk_queue_wait_secs", 0.25),
+    ],
+)
+def test_extra_config_key_moves_into_its_field_with_a_deprecation_warning(
+    key: str, value: object
+) -> None:
+    extra = {key: value, "mine": 1}
+    with pytest.warns(DeprecationWarning, match=rf"extra_config\['{key}'\].*set {key}") as rec:
+        cfg = RayKVConfig(extra_config=extra)
+    assert getattr(cfg, key) == value
+    assert cfg.extra_config == {"mine": 1}
+    assert extra == {key: value, "mine": 1}  # the caller's dict is left alone
+    assert rec[0].filename == __file__  # points at the caller, not at raykv/config.py
+    assert cfg == RayKVConfig(**{key: value}, extra_config={"mine": 1})  # type: ignore[arg-type]
+
+
+def test_extra_config_migration_from_a_file_and_keyword_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, "extra_config: {disk_fsync: true, remote_index_max_keys: 64}\n")
+    with pytest.warns(DeprecationWarning) as rec:
+        cfg = RayKVConfig.load(path)
+    assert {str(w.message).split("]")[0] for w in rec} == {
+        "extra_config['disk_fsync'",
+        "extra_config['remote_index_max_keys'",
+    }
+    assert (cfg.disk_fsync, cfg.remote_index_max_keys, cfg.extra_config) == (True, 64, {})
+    with pytest.warns(DeprecationWarning, match="max_lower_writes_in_flight"):
+        cfg = RayKVConfig.load(extra_config={"max_lower_writes_in_flight": 5})
+    assert cfg.max_lower_writes_in_flight == 5
+    # A migrated config has nothing left to migrate: replace() and round trips stay quiet.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cfg.replace(chunk_size=16).max_lower_writes_in_flight == 5
+        assert RayKVConfig.from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+        assert RayKVConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_extra_config_migration_conflict_with_the_field_is_an_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        RayKVConfig(disk_queue_wait_secs=2.0, extra_config={"disk_queue_wait_secs": 3.0})
+    message = str(err.value)
+    assert "invalid disk_queue_wait_secs=2.0" in message
+    assert "extra_config['disk_queue_wait_secs']=3.0" in message
+    # The same value twice is no conflict (just the deprecation).
+    with pytest.warns(DeprecationWarning):
+        cfg = RayKVConfig(disk_fsync=True, extra_config={"disk_fsync": True})
+    assert cfg.disk_fsync is True and cfg.extra_config == {}
+
+
+def test_extra_config_migrated_value_is_validated_and_the_error_says_where_it_came_from() -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as err:
+        RayKVConfig(extra_config={"max_lower_writes_in_flight": 0})
+    message = str(err.value)
+    assert "invalid max_lower_writes_in_flight=0" in message and "integer >= 1" in message
+    assert "extra_config['max_lower_writes_in_flight']" in message
+
+
+def test_disk_store_from_config_reads_the_typed_fields(tmp_path: Path) -> None:
+    from raykv.tiers.disk import DiskStore
+
+    cfg = RayKVConfig(
+        local_disk=str(tmp_path / "kv"),
+        max_local_disk_size=0.01,
+        disk_fsync=True,
+        disk_queue_wait_secs=0.0,
+    )
+    store = DiskStore.from_config(cfg)
+    try:
+        assert (store._fsync, store._queue_wait_s) == (True, 0.0)
+    finally:
+        store.close()
+    store = DiskStore.from_config(
+        RayKVConfig(local_disk=str(tmp_path / "kv2"), max_local_disk_size=0.01)
+    )
+    try:
+        assert (store._fsync, store._queue_wait_s) == (False, 1.0)
+    finally:
+        store.close()
+
+
 # ----- password masking -----
 
 
@@ -765,6 +969,10 @@ _remote = st.one_of(
 )
 _size = st.floats(min_value=1e-6, max_value=1e6)
 _secs = st.floats(min_value=1e-3, max_value=1e6)
+_resource = _name.filter(lambda n: n not in ("CPU", "GPU"))
+_amount = st.floats(min_value=1e-4, max_value=1e6)
+# Keys that are fields now would move out of extra_config (tested above).
+_extra_key = st.text().filter(lambda k: k not in config_mod.MOVED_FROM_EXTRA)
 
 
 @st.composite
@@ -787,9 +995,16 @@ def valid_configs(draw: st.DrawFn) -> RayKVConfig:
         max_local_disk_size=draw(_size if local_disk else st.just(0.0)),
         disk_write_workers=draw(st.integers(1, 64)),
         disk_max_pending_writes=draw(st.integers(1, 10_000)),
+        disk_fsync=draw(st.booleans()),
+        disk_queue_wait_secs=draw(st.just(0.0) | _secs),
         remote_url=draw(_remote),
         remote_serde=draw(st.sampled_from(KNOWN_SERDES)),
         max_remote_size=draw(_size),
+        kv_server_node_id=draw(st.none() | st.from_regex(r"[0-9a-f]{56}", fullmatch=True)),
+        kv_server_resources=draw(
+            st.none() | _resource | st.dictionaries(_resource, _amount, min_size=1, max_size=3)
+        ),
+        remote_index_max_keys=draw(st.integers(1, 2**40)),
         cache_policy=draw(_policy),
         cpu_cache_policy=draw(st.none() | _policy),
         disk_cache_policy=draw(st.none() | _policy),
@@ -800,7 +1015,8 @@ def valid_configs(draw: st.DrawFn) -> RayKVConfig:
         pin_lease_secs=draw(_secs),
         use_layerwise=draw(st.booleans()),
         namespace=draw(_name),
-        extra_config=draw(st.dictionaries(st.text(), _plain, max_size=4)),
+        max_lower_writes_in_flight=draw(st.integers(1, 4096)),
+        extra_config=draw(st.dictionaries(_extra_key, _plain, max_size=4)),
     )
 
 

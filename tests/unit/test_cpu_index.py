@@ -315,3 +315,80 @@ def test_put_accepts_what_it_committed_and_charges_the_object_size(monkeypatch):
     ack = _put_by_value(actor, [0, 1, 0])  # a repeated key is cached once
     assert ack.accepted == [key(0), key(1)] and ack.refs[key(0)].index == 0
     assert actor._store.used_bytes == 2 * CHUNK and actor._store.reserved_bytes == 0
+
+
+# ----- payloads whose size is not their meta's (#13 defect 4) -----
+
+
+def test_put_skips_arrays_whose_size_is_not_their_metas_and_caches_the_rest(monkeypatch):
+    import asyncio
+
+    import numpy as np
+
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+    arrays = [np.zeros(CHUNK, np.uint8), np.zeros(CHUNK // 2, np.uint8), "not an array"]
+
+    async def run():
+        batch = asyncio.get_running_loop().create_future()
+        batch.set_result(arrays)
+        return await actor.put([key(0), key(1), key(2)], [meta()] * 3, [batch])
+
+    ack = asyncio.run(run())
+    assert ack.accepted == [key(0)] and ack.skipped == [key(1), key(2)]
+    assert key(1) not in actor._store and key(2) not in actor._store
+    assert actor._store.used_bytes == CHUNK and actor._store.reserved_bytes == 0
+    assert actor._store.stats()["skipped"] == 2
+
+
+def test_put_with_fewer_metas_than_keys_skips_the_unmatched_keys(monkeypatch):
+    import asyncio
+
+    import numpy as np
+
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+
+    async def run():
+        batch = asyncio.get_running_loop().create_future()
+        batch.set_result([np.zeros(CHUNK, np.uint8)] * 2)
+        return await actor.put([key(0), key(1)], [meta()], [batch])
+
+    ack = asyncio.run(run())
+    assert ack.accepted == [key(0)] and ack.skipped == [key(1)]
+
+
+class _FakeSource:
+    """`get_batch.options(num_returns=2).remote(keys)` answering two ready futures."""
+
+    def __init__(self, metas, arrays) -> None:
+        self.answer = (metas, arrays)
+        self.get_batch = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, keys):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future(), loop.create_future()]
+        for fut, value in zip(futures, self.answer, strict=True):
+            fut.set_result(value)
+        return futures
+
+
+def test_pull_treats_a_wrong_sized_array_as_a_miss_and_caches_the_rest(monkeypatch):
+    import asyncio
+
+    import numpy as np
+
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+    source = _FakeSource([meta()] * 3, [np.zeros(CHUNK, np.uint8), np.zeros(7, np.uint8), None])
+    keys = [key(0), key(1), key(2)]
+    ack = asyncio.run(actor.pull(source, keys))
+    assert ack.accepted == [key(0)] and set(ack.refs) == {key(0)}
+    assert ack.missing == [key(1), key(2)] and ack.skipped == [key(1), key(2)]
+    # A source object holding bad arrays is not kept: the store keeps a copy of the good.
+    assert actor._store.used_bytes == CHUNK and actor._store.stats()["skipped"] == 2

@@ -365,3 +365,34 @@ def test_a_planted_huge_file_is_refused_before_its_body_is_read(tmp_path: Path) 
         assert grown_kib < 200 * 1024, f"peak RSS grew {grown_kib} KiB"
     finally:
         store.close()
+
+
+# ----- leftovers of crashed writes (#13) -----
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_restart_removes_stale_temp_files_and_keeps_recent_ones(tmp_path: Path) -> None:
+    first = DiskStore(tmp_path, 1 << 20)
+    put(first, range(2))
+    first.close()
+    shard = Path(first.path_of(key(0))).parent
+    stale = shard / f".{key(5).to_string()}.0123456789ab{ds.TMP_SUFFIX}"  # a crashed write
+    recent = shard / f".{key(6).to_string()}.ba9876543210{ds.TMP_SUFFIX}"  # maybe a live one
+    layout = Path(first.directory) / f"{ds.LAYOUT_FILE}.deadbeef{ds.TMP_SUFFIX}"
+    for path in (stale, recent, layout):
+        path.write_bytes(b"partial")
+    _age(stale, ds.STALE_TMP_SECS + 5)
+    _age(layout, ds.STALE_TMP_SECS + 5)
+    second = DiskStore(tmp_path, 1 << 20)
+    try:
+        assert not stale.exists() and not layout.exists() and recent.exists()
+        assert sorted(second.keys()) == [key(0), key(1)]
+        report = second.check(fix=True)  # check(fix=True) removes temps of any age
+        assert report["temp_files"] == 1 and not recent.exists()
+        assert files(second, "*.tmp") == []
+    finally:
+        second.close()

@@ -352,6 +352,40 @@ def test_garbage_under_raykv_redis_names_is_a_miss_and_is_deleted(
     assert not marker.exists()
 
 
+def test_a_redis_put_whose_array_disagrees_with_its_meta_is_skipped_and_counted(
+    redis_server: Any,
+) -> None:
+    import redis
+
+    keys = [dkey(i) for i in range(6)]
+    arrays: list[Any] = [
+        payload(0)[:-1],  # one byte short
+        np.zeros(META.nbytes * 2, dtype=np.uint8),  # too long
+        None,  # not an array
+        np.array([object()] * (META.nbytes // 8), dtype=object),  # Python objects, same nbytes
+        list(payload(4)),
+        payload(5),  # the only good one
+    ]
+    backend = _redis_backend(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+
+        async def scenario() -> tuple[Any, ...]:
+            ack = await backend.put(keys, [META] * 6, arrays)  # never raises
+            stats = await backend.stats()
+            metas, got = await backend.get_batch(keys)
+            await backend.close()
+            return ack, stats, metas, got
+
+        ack, stats, metas, got = asyncio.run(scenario())
+        assert ack.skipped == keys[:5] and ack.accepted == keys[5:]
+        assert stats["skipped"] == 5 and stats["entries"] == 1
+        assert metas == [None] * 5 + [META] and np.array_equal(got[5], payload(5))
+        assert client.keys("hostile:kv:*") == [f"hostile:kv:{keys[5].to_string()}".encode()]
+    finally:
+        client.close()
+
+
 # ----- keys and tokens -----
 
 

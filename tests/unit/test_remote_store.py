@@ -161,6 +161,51 @@ def test_kv_server_state_skips_what_cannot_fit_and_a_failed_store() -> None:
     assert s2.stats()["used_bytes"] == 0 and s2.stats()["errors"] == 1
 
 
+def _unvalidated_meta(dtype: str, shape: tuple[Any, ...]) -> PayloadMeta:
+    """A PayloadMeta as unpickling makes it: `__post_init__` never ran (a hostile client)."""
+    meta = object.__new__(PayloadMeta)
+    for name, value in (("dtype", dtype), ("shape", shape), ("layout", "KV_2LTD")):
+        object.__setattr__(meta, name, value)
+    return meta
+
+
+@pytest.mark.parametrize(
+    ("meta", "array"),
+    [
+        (META, data(1)[:-1]),  # one byte short
+        (META, np.zeros(META.nbytes + 8, dtype=np.uint8)),  # too long
+        (META, list(data(1))),  # not an array
+        (META, None),
+        (META, np.array([None] * META.nbytes, dtype=object)[: META.nbytes // 8]),  # objects
+        (None, data(1)),  # no meta
+        ("bfloat16", data(1)),
+        (_unvalidated_meta("evil", (2, 1, 4, 8)), data(1)),  # unknown dtype
+        (_unvalidated_meta("bfloat16", (2, "x" * 8, 4, 8)), data(1)),  # non-int dims
+        (_unvalidated_meta("bfloat16", (2, -1, -4, 8)), np.zeros(64, dtype=np.uint8)),
+    ],
+    ids=[
+        "short",
+        "long",
+        "list",
+        "none",
+        "objects",
+        "no-meta",
+        "str-meta",
+        "unknown-dtype",
+        "str-dims",
+        "negative-dims",
+    ],
+)
+def test_kv_server_state_skips_and_counts_a_chunk_that_disagrees_with_its_meta(
+    meta: Any, array: Any
+) -> None:
+    s = kv_state(1 << 20)
+    ack = s.put([key(1), key(2)], [meta, META], [array, data(2)])  # never raises
+    assert ack.skipped == [key(1)] and ack.accepted == [key(2)]
+    assert s.keys() == [key(2)] and s.stats()["skipped"] == 1
+    assert s.stats()["used_bytes"] == META.nbytes
+
+
 def test_half_open_backoff_lets_one_trial_call_through() -> None:
     backend = FakeBackend()
     s = store(backend)

@@ -1,0 +1,131 @@
+"""Creating, finding and stopping raykv's named actors: one place for their options.
+
+Every actor is detached (it outlives the driver that created it), named in the
+configured namespace and restarted forever (`ACTOR_OPTIONS`); node-scoped ones carry
+`-<node_id[:12]>` in their name and a hard affinity to their node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raykv.actors.base import (
+    ACTOR_OPTIONS,
+    CONTROLLER_NAME,
+    CPU_STORE_NAME,
+    DISK_STORE_NAME,
+    REMOTE_STORE_NAME,
+    STORAGE_MANAGER_NAME,
+)
+from raykv.actors.common import node_scoped_name
+from raykv.config import RayKVConfig
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_ORDER, TIER_REMOTE
+
+
+def scoped(base: str, node_id: str | None) -> str:
+    """`base`, or its node-scoped form for `node_id`."""
+    return node_scoped_name(base, node_id) if node_id else base
+
+
+def actor_options(name: str, namespace: str, node_id: str | None = None) -> dict[str, Any]:
+    """Options of a raykv actor: detached, named, restarted forever, 0 CPUs. Hard affinity
+    to `node_id` if given, else soft affinity to the calling node (tiers sit beside their
+    first user)."""
+    try:
+        node = node_id or ray.get_runtime_context().get_node_id()
+    except Exception:
+        node = None
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        **ACTOR_OPTIONS,
+    }
+    if node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=node_id is None)
+    return options
+
+
+def create_tier(config: RayKVConfig, tier: str, node_id: str | None = None) -> Any:
+    """The actor of `tier` (created if missing, e.g. after it was killed for good).
+
+    With `node_id`, the CPU store is node-scoped too (`raykv-cpu-store-<node>`); the disk
+    tier is always node-scoped (its directory is local), and so is this node's connection
+    to the shared remote.
+    """
+    if tier == TIER_CPU:
+        from raykv.actors.cpu_store import CPUStoreActor
+
+        return CPUStoreActor.options(
+            **actor_options(scoped(CPU_STORE_NAME, node_id), config.namespace, node_id)
+        ).remote(
+            config.max_local_cpu_bytes,
+            config.policy_for(TIER_CPU),
+            blocking_timeout_secs=config.blocking_timeout_secs,
+            pin_lease_secs=config.pin_lease_secs,
+        )
+    if tier == TIER_DISK:
+        from raykv.actors.disk_store import get_or_create_disk_store
+
+        return get_or_create_disk_store(config, node_id)
+    if tier == TIER_REMOTE:
+        from raykv.actors.remote_store import get_or_create_remote_store
+
+        return get_or_create_remote_store(config, node_id)
+    raise ValueError(f"unknown tier {tier!r}")
+
+
+def enabled_tiers(config: RayKVConfig) -> list[str]:
+    """The tiers `config` enables, in lookup order."""
+    on = {TIER_CPU: config.local_cpu, TIER_DISK: config.local_disk, TIER_REMOTE: config.remote_url}
+    return [t for t in TIER_ORDER if on[t]]
+
+
+def get_or_create_tiers(config: RayKVConfig, node_id: str | None = None) -> dict[str, Any]:
+    """Create or attach the enabled tier actors of `config`, by name; tier -> handle."""
+    return {t: create_tier(config, t, node_id) for t in enabled_tiers(config)}
+
+
+def shutdown_manager(namespace: str) -> None:
+    """Kill the manager and tier actors of `namespace` (for tests and `raykv` tooling).
+
+    The remote's data (a `ray://` KVServer, a Redis server) is shared and left alone.
+    """
+    names = [STORAGE_MANAGER_NAME, CPU_STORE_NAME, CONTROLLER_NAME]
+    prefixes = (STORAGE_MANAGER_NAME, CPU_STORE_NAME, DISK_STORE_NAME, REMOTE_STORE_NAME)
+    names += [
+        a["name"]
+        for a in _named_actors(namespace)
+        if a["name"].startswith(prefixes) and a["name"] not in names
+    ]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
+def _named_actors(namespace: str) -> list[dict[str, Any]]:
+    try:
+        return [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace
+        ]
+    except Exception:
+        return []
+
+
+__all__ = [
+    "actor_options",
+    "create_tier",
+    "enabled_tiers",
+    "get_or_create_tiers",
+    "scoped",
+    "shutdown_manager",
+]

@@ -1,0 +1,321 @@
+"""The manager's tiers: their actor handles, their health, and the index of what they hold.
+
+`TierSet` is the half of the `StorageManager` that talks to the tier actors: it re-creates
+a tier whose actor died for good (the other tiers serve meanwhile), resyncs an index
+whose tier restarted or whose CPU acks went missing, promotes lower-tier chunks into CPU
+(`pull`), and runs the bounded background writes to the lower tiers. What it learns goes
+into one `PrefixIndex`; the manager answers requests from that index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray.exceptions import ActorDiedError
+
+from raykv import metrics
+from raykv.actors.common import HandoutHold
+from raykv.actors.factory import create_tier, get_or_create_tiers
+from raykv.actors.peers import ControllerLink
+from raykv.config import RayKVConfig
+from raykv.keys import CacheKey
+from raykv.payload import PayloadMeta
+from raykv.tiers.index import TIER_PEER, PrefixIndex, kind, leading
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PutAck
+
+logger = logging.getLogger(__name__)
+
+RESYNC_INTERVAL_SECS = 1.0  # how often every tier is asked for its incarnation
+CONTROL_TIMEOUT_SECS = 10.0  # bound on control calls to a tier that may be restarting
+# A lookup's remote probe gets this share of `lookup_timeout_ms`, so on a slow remote the
+# manager answers first with the CPU/disk part of the prefix.
+REMOTE_PROBE_SHARE = 0.5
+# A pull (promotion into CPU, or a direct read without a CPU tier) is a miss after this
+# many lookup timeouts (the client gives a get four).
+PULL_TIMEOUT_FACTOR = 2.0
+
+
+class TierSet:
+    """Handles of the enabled tiers (`handles`), their `PrefixIndex`, and the calls that
+    keep the index true. Runs on the manager's event loop."""
+
+    def __init__(
+        self, config: RayKVConfig, node_id: str | None, link: ControllerLink | None
+    ) -> None:
+        self._config = config
+        self._node_id = node_id
+        self.link = link
+        self.handles = get_or_create_tiers(config, node_id)
+        self.index = PrefixIndex(
+            list(self.handles),
+            lease_secs=config.pin_lease_secs,
+            remote_index_max_keys=config.remote_index_max_keys,
+            reporter=link.reporter if link is not None else None,
+        )
+        if link is not None:
+            self.index.enable_peers()
+        self._max_writes = config.max_lower_writes_in_flight
+        self._writes_in_flight = dict.fromkeys(self.index.lower_tiers, 0)
+        self._skip_warned_at = 0.0
+        self._background: set[asyncio.Task] = set()
+        self._resyncing: dict[str, asyncio.Task] = {}
+        self._pull_timeout = config.lookup_timeout_ms / 1000 * PULL_TIMEOUT_FACTOR
+        self._backend = (config.remote_url or "").partition("://")[0] or "none"
+        self._hold = HandoutHold()
+
+    @property
+    def peers(self) -> dict[str, Any]:
+        return self.link.peers if self.link is not None else {}
+
+    def pending_writes(self) -> list[asyncio.Task]:
+        return [t for t in self._background if t.get_name().startswith("raykv-put")]
+
+    @property
+    def cpu(self) -> Any:
+        """The CPU tier's handle while it is up (None without one, or while re-created)."""
+        return self.handles.get(TIER_CPU) if self.index.up(TIER_CPU) else None
+
+    def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def resync(self, tier: str) -> None:
+        """Rebuild one tier's index from the tier itself (re-creating a dead tier first)."""
+        handle = self.handles[tier]
+        try:
+            if tier == TIER_CPU:
+                inc, snap, seq = await asyncio.wait_for(
+                    handle.snapshot.remote(), CONTROL_TIMEOUT_SECS
+                )
+                self.index.reset_cpu(inc, snap, seq)
+            else:
+                inc_ref, keys_ref = handle.incarnation.remote(), handle.keys.remote()
+                inc = await asyncio.wait_for(inc_ref, CONTROL_TIMEOUT_SECS)
+                keys = await asyncio.wait_for(keys_ref, CONTROL_TIMEOUT_SECS)
+                self.index.reset_lower(tier, inc, keys)
+        except ActorDiedError:
+            self.tier_died(tier)
+        except Exception as exc:
+            logger.warning("cannot resync the %s tier index (%s); will retry", tier, exc)
+            self.index.drop(tier)
+
+    def schedule_resync(self, tier: str) -> None:
+        if tier not in self._resyncing:
+            task = self.spawn(self.resync(tier))
+            self._resyncing[tier] = task
+            task.add_done_callback(lambda _t: self._resyncing.pop(tier, None))
+
+    def tier_died(self, tier: str) -> None:
+        """`tier`'s actor is gone for good: serve without it and re-create it now."""
+        logger.warning("the %s tier actor died; re-creating it (the other tiers serve)", tier)
+        self.index.mark_down(tier)
+        self.index.counts["recreated_tiers"] += 1
+        self.handles[tier] = create_tier(self._config, tier, self._node_id)
+        self.schedule_resync(tier)
+
+    async def check(self, tier: str) -> None:
+        handle = self.handles[tier]
+        try:
+            if tier == TIER_CPU:
+                inc, seq = await asyncio.wait_for(handle.version.remote(), CONTROL_TIMEOUT_SECS)
+                stale = self.index.cpu_lagging(inc, seq)
+            else:
+                inc = await asyncio.wait_for(handle.incarnation.remote(), CONTROL_TIMEOUT_SECS)
+                stale = inc != self.index.incarnations[tier]
+        except ActorDiedError:
+            self.tier_died(tier)
+            return
+        except Exception as exc:
+            logger.debug("incarnation of %s unavailable: %s", tier, exc)
+            return
+        if stale:
+            if self.index.incarnations[tier] not in (None, inc):
+                logger.info("the %s tier restarted (incarnation %s); resyncing", tier, inc[:8])
+            await self.resync(tier)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(RESYNC_INTERVAL_SECS)
+            await asyncio.gather(*(self.check(t) for t in self.index.order))
+
+    async def probe_remote(self, keys: list[CacheKey]) -> int:
+        """How many of `keys` (unknown to every index) the remote tier holds as a prefix."""
+        try:
+            found = await asyncio.wait_for(
+                self.handles[TIER_REMOTE].contains.remote(keys),
+                self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE,
+            )
+        except Exception as exc:
+            self.remote_error("contains", exc)
+            return 0
+        n = leading(found, 0, bool)
+        self.index.found_remote(keys[:n])
+        return n
+
+    def remote_error(self, what: str, exc: BaseException) -> None:
+        self.index.counts["remote_errors"] += 1
+        metrics.inc("raykv_remote_errors", backend=self._backend)
+        logger.warning("remote %s failed or timed out (%r); counted as misses", what, exc)
+
+    def apply_cpu(self, ack: CPUAck) -> None:
+        if not self.index.apply_cpu(ack) and ack.incarnation != self.index.incarnations.get(
+            TIER_CPU
+        ):
+            self.schedule_resync(TIER_CPU)
+
+    async def pull(self, tier: str, keys: list[CacheKey], lookup_id: str | None) -> CPUAck | None:
+        """Promote `keys` from a lower tier into CPU (without a CPU tier: serve the tier's
+        own reply object); None if that failed or timed out (then they are misses).
+
+        A pull that outlives its timeout is still applied when its reply comes (the CPU
+        store may have evicted for it): the index never keeps refs the store dropped.
+        """
+        peer = tier.partition(":")[2] if kind(tier) == TIER_PEER else None
+        source = self.peers.get(peer) if peer else self.handles[tier]
+        cpu = self.cpu
+        if source is None:
+            return None
+        try:
+            if cpu is None:
+                ack = await self.read_lower(source, keys)
+            else:
+                reply = asyncio.ensure_future(
+                    cpu.pull.remote(source, keys, lookup_id, copy=peer is not None)
+                )
+                try:
+                    ack = await asyncio.wait_for(asyncio.shield(reply), self._pull_timeout)
+                except (asyncio.TimeoutError, TimeoutError):
+                    self.spawn(self.late_ack(reply))
+                    raise
+                self.apply_cpu(ack)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.index.counts["pull_timeouts"] += 1
+            logger.warning(
+                "read of %d chunks from %s took over %.1f s; counted as misses",
+                len(keys),
+                tier,
+                self._pull_timeout,
+            )
+            return None
+        except Exception as exc:
+            logger.warning("read of %d chunks from %s failed: %s", len(keys), tier, exc)
+            if isinstance(exc, ActorDiedError):
+                self.schedule_check(TIER_CPU if cpu is not None else tier)
+            return None
+        if peer and len(ack.missing) == len(keys):
+            self.link.lost(peer)
+        self.index.apply_pull(tier, ack)
+        return ack
+
+    async def late_ack(self, reply: asyncio.Future) -> None:
+        try:
+            ack = await reply
+        except Exception:
+            return
+        self.index.counts["late_acks"] += 1
+        self.apply_cpu(ack)
+
+    def schedule_check(self, tier: str) -> None:
+        if tier in self.handles:
+            self.spawn(self.check(tier))
+
+    async def read_lower(self, source: Any, keys: list[CacheKey]) -> CPUAck:
+        """Without a CPU tier: read `keys` from `source` and serve its reply object as is
+        (the manager owns it and hands out `ChunkRef`s into it; nothing is cached)."""
+        metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
+        metas = await asyncio.wait_for(metas_ref, self._pull_timeout)
+        ack = CPUAck("")
+        for i, (key, meta) in enumerate(zip(keys, metas, strict=True)):
+            if meta is None:
+                ack.missing.append(key)
+            else:
+                ack.refs[key] = ChunkRef(arrays_ref, i, meta)
+        if ack.refs:  # handed out, not kept: hold it past the clients' borrow
+            self._hold.hold(arrays_ref, sum(c.meta.nbytes for c in ack.refs.values()))
+        return ack
+
+    def write_lower(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], batch: list, extra: dict
+    ) -> None:
+        for tier in self.index.lower_tiers:
+            if not self.index.needs_write(tier, keys):
+                continue
+            if self._writes_in_flight[tier] >= self._max_writes:
+                self.skip_lower(tier, len(keys))
+                continue
+            self._writes_in_flight[tier] += 1
+            # The remote tier is shared and keeps no per-writer priority.
+            kw = extra if tier != TIER_REMOTE else {}
+            ref = self.handles[tier].put.remote(keys, metas, batch, **kw)
+            self.spawn(self.finish_lower_put(tier, ref, keys, metas), name=f"raykv-put-{tier}")
+
+    def skip_lower(self, tier: str, n: int) -> None:
+        """A put finds `tier` with `_max_writes` writes in flight: skip it there."""
+        self.index.counts["skipped_lower_writes"] += n
+        metrics.inc("raykv_skipped_stores", n, tier=tier)
+        now = time.monotonic()
+        if now - self._skip_warned_at > 10.0:
+            self._skip_warned_at = now
+            logger.warning(
+                "%s tier has %d writes in flight: skipping %d chunk(s) there (the tier is "
+                "slower than the put rate)",
+                tier,
+                self._writes_in_flight[tier],
+                n,
+            )
+
+    async def finish_lower_put(
+        self, tier: str, ref: Any, keys: list[CacheKey], metas: list[PayloadMeta]
+    ) -> None:
+        try:
+            ack: PutAck = await ref
+        except Exception as exc:
+            if tier == TIER_REMOTE:
+                self.remote_error("put", exc)
+            else:
+                logger.warning("%s put failed: %s", tier, exc)
+            return
+        finally:
+            self._writes_in_flight[tier] -= 1
+        if not self.index.apply_lower(tier, ack):
+            self.schedule_check(tier)  # a reply from another incarnation: resync
+            return
+        if ack.accepted and tier != TIER_DISK:  # the disk tier counts its bytes itself
+            accepted = set(ack.accepted)
+            nbytes = sum(m.nbytes for k, m in zip(keys, metas, strict=True) if k in accepted)
+            metrics.inc("raykv_stored_bytes", nbytes, tier=tier)
+
+    async def stats(self) -> dict[str, Any]:
+        """The index's counters, and per tier its own stats beside what the index knows."""
+        index = self.index
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(self.handles[t].stats.remote(), CONTROL_TIMEOUT_SECS)
+                for t in index.order
+            ),
+            return_exceptions=True,
+        )
+        tiers: dict[str, Any] = {}
+        for tier, reply in zip(index.order, replies, strict=True):
+            info = dict(reply) if isinstance(reply, dict) else {"error": repr(reply)}
+            info["index_entries"] = index.entries(tier)
+            info["lookup_hit_chunks"] = index.tier_hits[tier]
+            info["lookup_miss_chunks"] = index.tier_misses[tier]
+            info["incarnation"] = index.incarnations[tier]
+            tiers[tier] = info
+        if TIER_PEER in index.tier_hits:
+            tiers[TIER_PEER] = {
+                "tier": TIER_PEER,
+                "lookup_hit_chunks": index.tier_hits[TIER_PEER],
+                "lookup_miss_chunks": index.tier_misses[TIER_PEER],
+                "peers": sorted(self.peers),
+            }
+        return {**index.stats(), "tiers": tiers}
+
+
+__all__ = ["TierSet"]

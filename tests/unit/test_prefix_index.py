@@ -1,0 +1,193 @@
+"""The manager's prefix index (`raykv.tiers.index.PrefixIndex`), without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from raykv.errors import InvalidInputError
+from raykv.keys import ChunkSpan, make_key
+from raykv.payload import PayloadMeta
+from raykv.tiers.index import PrefixIndex, leading, split_spans
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PackedSpans, PutAck
+
+META = PayloadMeta("float16", (2, 1, 4, 8))
+
+
+def key(i: int):
+    return make_key("m", 1, 0, f"{i:032x}", "float16")
+
+
+def ref(i: int) -> ChunkRef:
+    return ChunkRef(f"obj{i}", 0, META)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def index(tiers=(TIER_CPU, TIER_DISK, TIER_REMOTE), **kw) -> PrefixIndex:
+    ix = PrefixIndex(list(tiers), lease_secs=kw.pop("lease_secs", 10.0), **kw)
+    if TIER_CPU in tiers:
+        ix.reset_cpu("cpu-1", {}, 0)
+    for t in tiers:
+        if t != TIER_CPU:
+            ix.reset_lower(t, f"{t}-1", [])
+    return ix
+
+
+def ack(keys, seq: int, evicted=(), inc: str = "cpu-1") -> CPUAck:
+    return CPUAck(
+        inc, {k: ref(i) for i, k in enumerate(keys)}, list(keys), [], list(evicted), seq=seq
+    )
+
+
+def test_leading_counts_the_run_a_container_or_predicate_accepts():
+    assert leading([1, 2, 3, 9, 4], 0, {1, 2, 3, 4}) == 3
+    assert leading([1, 2, 3], 1, lambda k: k > 1) == 3
+    assert leading([], 0, set()) == 0
+
+
+def test_plan_walks_tiers_in_order_and_a_miss_ends_the_prefix():
+    ix = index()
+    keys = [key(i) for i in range(6)]
+    ix.apply_cpu(ack(keys[:2], 1))
+    ix.apply_lower(TIER_DISK, PutAck(accepted=keys[2:4], incarnation="disk-1"))
+    ix.found_remote([keys[5]])
+    segs, n = ix.plan(keys, ix.order)
+    assert segs == [(TIER_CPU, 0, 2), (TIER_DISK, 2, 4)] and n == 4
+
+
+def test_spans_and_packed_spans_split_alike_and_junk_is_a_clear_error():
+    spans = [ChunkSpan(i * 4, i * 4 + 4, key(i)) for i in range(3)]
+    assert split_spans(spans) == split_spans(PackedSpans.of(spans))
+    with pytest.raises(InvalidInputError, match="ChunkSpan"):
+        split_spans([1, 2])
+
+
+def test_cpu_ack_of_another_incarnation_drops_the_cpu_index():
+    ix = index()
+    ix.apply_cpu(ack([key(0)], 1))
+    assert not ix.apply_cpu(ack([key(1)], 1, inc="cpu-2"))
+    assert ix.cpu == {}
+
+
+def test_cpu_ack_older_than_the_snapshot_is_ignored():
+    # The snapshot at seq 5 already reflects ack 4; applying it again would re-add a
+    # chunk evicted since (the manager would keep its batch alive beyond the budget).
+    ix = index()
+    ix.reset_cpu("cpu-1", {key(1): ref(1)}, 5)
+    assert not ix.apply_cpu(ack([key(0)], 4))
+    assert key(0) not in ix.cpu and ix.counts["stale_acks"] == 1
+    assert ix.apply_cpu(ack([key(2)], 6))
+
+
+def test_a_lost_cpu_ack_is_reported_as_lagging_on_the_next_check():
+    # Defect 2: a pull that timed out on the manager's side never had its ack (with the
+    # keys the CPU store evicted for it) applied; the index noticed nothing.
+    ix = index()
+    ix.apply_cpu(ack([key(0)], 1))
+    # ack 2 is lost; ack 3 arrives
+    ix.apply_cpu(ack([key(3)], 3))
+    assert ix.cpu_lagging("cpu-1", 3) is False  # first sight: ack 2 may be in flight
+    assert ix.cpu_lagging("cpu-1", 3) is True  # still missing a check later: resync
+    ix.reset_cpu("cpu-1", {}, 3)
+    assert ix.cpu_lagging("cpu-1", 3) is False
+    assert ix.cpu_lagging("cpu-1", 3) is False
+
+
+def test_acks_in_flight_at_a_check_are_not_lagging_once_they_arrive():
+    ix = index()
+    assert ix.cpu_lagging("cpu-1", 2) is False  # acks 1, 2 sent, not yet here
+    ix.apply_cpu(ack([key(1)], 2))
+    ix.apply_cpu(ack([key(0)], 1))  # out of order is fine
+    assert ix.cpu_lagging("cpu-1", 4) is False  # 3, 4 are new since the last check
+    ix.apply_cpu(ack([key(2)], 3))
+    ix.apply_cpu(ack([key(3)], 4))
+    assert ix.cpu_lagging("cpu-1", 4) is False
+
+
+def test_another_cpu_incarnation_is_lagging_at_once():
+    ix = index()
+    assert ix.cpu_lagging("cpu-2", 0) is True
+
+
+def test_a_tier_marked_down_serves_nothing_until_resynced():
+    # Defect 5: a dead CPU store's chunks must not be planned; disk keeps serving.
+    ix = index()
+    keys = [key(i) for i in range(4)]
+    ix.apply_cpu(ack(keys[:2], 1))
+    ix.apply_lower(TIER_DISK, PutAck(accepted=keys, incarnation="disk-1"))
+    ix.mark_down(TIER_CPU)
+    assert not ix.up(TIER_CPU)
+    assert ix.plan(keys, ix.order) == ([(TIER_DISK, 0, 4)], 4)
+    ix.reset_cpu("cpu-2", {}, 0)
+    assert ix.up(TIER_CPU) and ix.incarnations[TIER_CPU] == "cpu-2"
+
+
+def test_a_lower_put_ack_from_a_past_incarnation_is_ignored():
+    # Defect 11: a disk put acked by the tier before it restarted (its pending writes
+    # lost) must not re-add keys after the index was rebuilt from the new tier.
+    ix = index()
+    ix.reset_lower(TIER_DISK, "disk-2", [key(9)])
+    assert not ix.apply_lower(TIER_DISK, PutAck(accepted=[key(0)], incarnation="disk-1"))
+    assert key(0) not in ix.lower[TIER_DISK]
+    assert ix.apply_lower(TIER_DISK, PutAck(accepted=[key(1)], incarnation="disk-2"))
+    assert key(1) in ix.lower[TIER_DISK]
+
+
+def test_pull_misses_correct_stale_positives():
+    ix = index()
+    ix.apply_lower(TIER_DISK, PutAck(accepted=[key(0), key(1)], incarnation="disk-1"))
+    pull = CPUAck("cpu-1", {key(0): ref(0)}, missing=[key(1)])
+    ix.apply_pull(TIER_DISK, pull)
+    assert key(1) not in ix.lower[TIER_DISK] and ix.counts["stale_positives"] == 1
+
+
+def test_remote_index_is_bounded():
+    ix = index(remote_index_max_keys=3)
+    ix.found_remote([key(i) for i in range(5)])
+    assert len(ix.lower[TIER_REMOTE]) == 3 and key(0) not in ix.lower[TIER_REMOTE]
+
+
+def test_pins_are_per_lookup_and_leases_expire():
+    clock = Clock()
+    ix = index(clock=clock, lease_secs=5.0)
+    keys = [key(i) for i in range(3)]
+    ix.apply_cpu(ack(keys, 1))
+    a, b = ix.record("a", [4, 8, 12]), ix.record("b", [4, 8])
+    assert ix.pin(a, keys) == 3 and ix.pin(b, keys[:2]) == 2
+    assert ix.record("a", []) is a  # a repeated lookup reuses its record
+    clock.now += 6
+    assert sorted(ix.expired()) == ["a", "b"]
+    assert ix.close("a") is a and a.closed and ix.pin(a, keys) == 0
+    assert ix.close("a") is None
+
+
+def test_collect_prefers_a_lookups_held_refs_over_the_index():
+    ix = index()
+    keys = [key(i) for i in range(3)]
+    ix.apply_cpu(ack(keys[:1], 1))
+    held = {keys[1]: ref(7)}
+    result = ix.collect(keys, held)
+    assert [c.ref for c in result.chunks] == ["obj0", "obj7"]
+
+
+def test_count_lookup_and_stats():
+    ix = index()
+    keys = [key(i) for i in range(4)]
+    ix.apply_cpu(ack(keys[:2], 1))
+    segs, n = ix.plan(keys, ix.order)
+    assert ix.count_lookup(segs, [4, 8, 12, 16], n) == (8, 8)
+    stats = ix.stats()
+    assert stats["hit_rate"] == 0.5 and stats["lookups"] == 1 and stats["down_tiers"] == []
+
+
+def test_unknown_tiers_are_refused():
+    with pytest.raises(InvalidInputError, match="unknown tier"):
+        PrefixIndex(["cpu", "tape"], lease_secs=1.0)
+    with pytest.raises(InvalidInputError, match="search_range"):
+        index().tiers_for(["tape"])
