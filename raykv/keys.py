@@ -13,7 +13,7 @@ on PYTHONHASHSEED or on the input container (list, numpy array, torch tensor).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,6 +45,20 @@ def _unquote(text: str) -> str:
     return unquote_to_bytes(text).decode("utf-8")
 
 
+def leading(keys: Sequence[Any], start: int, holds: Callable[[Any], bool] | Container) -> int:
+    """The end of the run of `keys[start:]` that `holds` (a predicate or a container)
+    accepts: how far a chained prefix is held. The one "count leading hits" rule."""
+    test = holds if callable(holds) else holds.__contains__
+    end, n = start, len(keys)
+    while end < n and test(keys[end]):
+        end += 1
+    return end
+
+
+# (model_name, world_size, worker_id, kv_dtype): the fields a request's keys share.
+KeyIdentity = tuple[str, int, int, str]
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class CacheKey:
     """Identifies one chunk of KV: (model, world size, worker, chained prefix hash, KV dtype).
@@ -68,6 +82,17 @@ class CacheKey:
         )
 
     __str__ = to_string
+
+    @property
+    def identity(self) -> KeyIdentity:
+        """Every field but the hash: whose KV this is (model, layout, worker, dtype)."""
+        return (self.model_name, self.world_size, self.worker_id, self.kv_dtype)
+
+    @classmethod
+    def of(cls, identity: KeyIdentity, chunk_hash: str) -> CacheKey:
+        """The key of `chunk_hash` under `identity` (see `identity`)."""
+        model_name, world_size, worker_id, kv_dtype = identity
+        return cls(model_name, world_size, worker_id, chunk_hash, kv_dtype)
 
     def __reduce__(self) -> tuple[type, tuple[str, int, int, str, str]]:
         # Plain positional reconstruction: ~3x faster to unpickle than the dataclass default,
@@ -247,6 +272,11 @@ class KeyMaker:
             raise InvalidInputError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
         _seed_digest(self.hash_seed)
 
+    @property
+    def identity(self) -> KeyIdentity:
+        """The `CacheKey.identity` of every key this maker makes."""
+        return (self.model_name, self.world_size, self.worker_id, self.kv_dtype)
+
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> KeyMaker:  # a RayKVConfig
         """A KeyMaker using the model identity, chunking and seed of `config`."""
@@ -263,9 +293,7 @@ class KeyMaker:
         return cls(**fields)
 
     def _key(self, digest: bytes) -> CacheKey:
-        return CacheKey(
-            self.model_name, self.world_size, self.worker_id, digest.hex(), self.kv_dtype
-        )
+        return CacheKey.of(self.identity, digest.hex())
 
     def keys(self, tokens: Any, mask: Any = None) -> list[ChunkSpan]:
         """One `ChunkSpan` per chunk of `tokens`; chunks masked out (leading False) are left out

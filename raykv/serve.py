@@ -60,7 +60,8 @@ except ImportError as exc:  # an install hint, not a traceback
 
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
-from raykv.keys import KeyMaker
+from raykv.keys import KeyMaker, leading
+from raykv.tiers.budget import BoundedKeySet
 
 logger = logging.getLogger(__name__)
 
@@ -79,46 +80,32 @@ def chunk_ids(keys: KeyMaker, tokens: Any) -> list[int]:
 
 def covered_prefix(ids: Sequence[int], summary: set[int] | frozenset[int]) -> int:
     """How many leading chunk ids of a request are in `summary` (chained: a prefix match)."""
-    n = 0
-    for cid in ids:
-        if cid not in summary:
-            break
-        n += 1
-    return n
+    return leading(ids, 0, summary)
 
 
-class PrefixSummary:
+class PrefixSummary(BoundedKeySet):
     """A bounded LRU set of chunk ids: what one replica (or one router) saw recently."""
 
+    __slots__ = ()
+
     def __init__(self, capacity: int = DEFAULT_SUMMARY_SIZE) -> None:
-        if capacity < 1:
-            raise InvalidInputError(f"summary capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._ids: OrderedDict[int, None] = OrderedDict()
+        super().__init__(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_keys
 
     def add(self, ids: Iterable[int]) -> None:
         """Record a request's chunk ids (most recent last; the oldest fall out)."""
-        for cid in ids:
-            self._ids[cid] = None
-            self._ids.move_to_end(cid)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        self.update(ids)
 
     def covered(self, ids: Sequence[int]) -> int:
         """Leading chunk ids of `ids` held here."""
-        n = 0
-        for cid in ids:
-            if cid not in self._ids:
-                break
-            n += 1
-        return n
+        return leading(ids, 0, self)
 
     def snapshot(self) -> list[int]:
         """The ids, oldest first (JSON- and pickle-friendly)."""
-        return list(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
+        return list(self)
 
 
 def rank_by_prefix(

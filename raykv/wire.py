@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from raykv.keys import CacheKey, ChunkSpan
+from raykv.keys import CacheKey, ChunkSpan, KeyIdentity
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,10 +111,8 @@ class PackedSpans:
 
     __slots__ = ("identity", "hashes", "ends")
 
-    def __init__(
-        self, identity: tuple[str, int, int, str], hashes: list[str], ends: list[int]
-    ) -> None:
-        self.identity = identity  # (model_name, world_size, worker_id, kv_dtype)
+    def __init__(self, identity: KeyIdentity, hashes: list[str], ends: list[int]) -> None:
+        self.identity = identity  # CacheKey.identity of every key
         self.hashes = hashes
         self.ends = ends
 
@@ -123,23 +121,38 @@ class PackedSpans:
         """Pack `spans`; returns them unchanged (a list) if their keys differ in identity."""
         if not spans:
             return list(spans)
-        k = spans[0].key
-        identity = (k.model_name, k.world_size, k.worker_id, k.kv_dtype)
+        identity = spans[0].key.identity
         for s in spans:
-            key = s.key
-            if (key.model_name, key.world_size, key.worker_id, key.kv_dtype) != identity:
+            if s.key.identity != identity:
                 return list(spans)
         return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
 
     def keys(self) -> list[CacheKey]:
-        model, world, worker, dtype = self.identity
-        return [CacheKey(model, world, worker, h, dtype) for h in self.hashes]
+        identity = self.identity
+        return [CacheKey.of(identity, h) for h in self.hashes]
 
     def __len__(self) -> int:
         return len(self.hashes)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedSpans, (self.identity, self.hashes, self.ends))
+
+
+def split_batch(batch: Any, ref_type: type | None) -> tuple[list[Any], list[np.ndarray]]:
+    """A put's batch as (refs, arrays): `[ObjectRef]` (or one bare ref) whose values are
+    `list[np.ndarray]` gives (refs, []); arrays passed by value give ([], arrays).
+    `ref_type` is `ray.ObjectRef`, or None where Ray is not loaded (no refs can exist)."""
+    if ref_type is not None and isinstance(batch, ref_type):
+        return [batch], []
+    batch = list(batch)
+    if ref_type is not None and batch and all(isinstance(b, ref_type) for b in batch):
+        return batch, []
+    return [], batch
+
+
+def join_parts(parts: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """The arrays of the resolved batch refs, in order."""
+    return [array for part in parts for array in part]
 
 
 class LowerTier(Protocol):

@@ -13,6 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.base import ACTOR_OPTIONS
+from raykv.wire import join_parts, split_batch
 
 # Ray keeps task returns up to this size in the owner's process heap (its
 # `max_direct_call_object_size`, 100 KiB by default), not in the object store.
@@ -74,19 +75,47 @@ class HandoutHold:
 
 
 def resolve_batch(batch: Any) -> list[np.ndarray]:
-    """The arrays of a put: `[ObjectRef]` whose values are `list[np.ndarray]` (zero-copy on
-    the same node), a bare ObjectRef, or the arrays themselves (passed by value)."""
-    if isinstance(batch, ray.ObjectRef):
-        batch = [batch]
-    batch = list(batch)
-    if batch and all(isinstance(b, ray.ObjectRef) for b in batch):
-        return [array for part in ray.get(batch) for array in part]
-    return batch
+    """The arrays of a put's batch (see `raykv.wire.split_batch`); zero-copy on one node."""
+    refs, arrays = split_batch(batch, ray.ObjectRef)
+    return join_parts(ray.get(refs)) if refs else arrays
 
 
 def node_scoped_name(base: str, node_id: str) -> str:
     """The name of a node-scoped actor: `<base>-<node_id[:12]>`."""
     return f"{base}-{node_id[:12]}"
+
+
+def actor_options(
+    name: str,
+    namespace: str,
+    node_id: str | None = None,
+    *,
+    near_caller: bool = True,
+    resources: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The options of every raykv actor: named, detached (it outlives its creator),
+    restarted forever, 0 CPUs. Placement: a hard affinity to `node_id` if given, else
+    (with `near_caller`) a soft one to the calling node, so tiers sit beside their first
+    user; `resources` are custom resources only the wanted nodes offer."""
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        **ACTOR_OPTIONS,
+    }
+    node = node_id
+    if node is None and near_caller:
+        try:
+            node = ray.get_runtime_context().get_node_id()
+        except Exception:  # not connected to Ray yet: no preference
+            node = None
+    if node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=node_id is None)
+    if resources:
+        options["resources"] = dict(resources)
+    return options
 
 
 def get_or_create_node_actor(
@@ -99,21 +128,16 @@ def get_or_create_node_actor(
     **kwargs: Any,
 ) -> Any:
     """The node-scoped tier actor `<base_name>-<node_id[:12]>` of `node_id` (default: this
-    node), created if missing: detached (created by the manager, it must not die with it),
-    pinned to its node, restarted forever."""
+    node), created if missing and pinned to its node (see `actor_options`)."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
     return actor_cls.options(
-        name=name or node_scoped_name(base_name, node_id),
-        namespace=namespace,
-        get_if_exists=True,
-        lifetime="detached",
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **ACTOR_OPTIONS,
+        **actor_options(name or node_scoped_name(base_name, node_id), namespace, node_id)
     ).remote(*args, **kwargs)
 
 
 __all__ = [
     "HandoutHold",
+    "actor_options",
     "get_or_create_node_actor",
     "node_scoped_name",
     "resolve_batch",

@@ -34,7 +34,8 @@ from typing import Any
 
 import ray
 
-from raykv.actors.base import ACTOR_OPTIONS, CONTROLLER_NAME
+from raykv.actors.base import CONTROLLER_NAME
+from raykv.actors.common import actor_options
 from raykv.keys import CacheKey
 from raykv.wire import TIER_CPU, TIER_DISK
 
@@ -316,11 +317,7 @@ class KVController:
 def get_or_create_controller(namespace: str) -> Any:
     """The cluster's `KVController` in `namespace` (detached, restarted forever)."""
     return KVController.options(
-        name=CONTROLLER_NAME,
-        namespace=namespace,
-        get_if_exists=True,
-        lifetime="detached",
-        **ACTOR_OPTIONS,
+        **actor_options(CONTROLLER_NAME, namespace, near_caller=False)
     ).remote()
 
 

@@ -33,6 +33,7 @@ from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.budget import check_priority
 from raykv.tiers.cpu import CPUStore, payload_problems
+from raykv.tiers.lease import sweep_forever
 from raykv.wire import TIER_CPU, ChunkRef, CPUAck
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class CPUStoreActor:
         self._seq = 0  # put/pull acks sent (CPUAck.seq)
         self._room: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
-        self._sweep_every = min(max(pin_lease_secs / 4, 0.05), 5.0)
+        self._lease_secs = pin_lease_secs
         self._object_store_bytes = object_store_bytes()  # read once: ray.nodes() is costly
         self._object_store_ok = check_object_store(capacity_bytes, self._object_store_bytes)
 
@@ -129,15 +130,13 @@ class CPUStoreActor:
 
     def _start(self) -> None:
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+            self._sweeper = asyncio.get_running_loop().create_task(
+                sweep_forever(self._lease_secs, self._store.expire_leases, self._leases_expired)
+            )
 
-    async def _sweep_leases(self) -> None:
-        while True:
-            await asyncio.sleep(self._sweep_every)
-            expired = self._store.expire_leases()
-            if expired:
-                logger.info("released the pins of %d expired lookups", len(expired))
-                self._signal_room()
+    def _leases_expired(self, expired: list[str]) -> None:
+        logger.info("released the pins of %d expired lookups", len(expired))
+        self._signal_room()
 
     def _record(self, ack: CPUAck) -> CPUAck:
         self._seq += 1

@@ -10,17 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.base import (
-    ACTOR_OPTIONS,
     CONTROLLER_NAME,
     CPU_STORE_NAME,
     DISK_STORE_NAME,
     REMOTE_STORE_NAME,
     STORAGE_MANAGER_NAME,
 )
-from raykv.actors.common import node_scoped_name
+from raykv.actors.common import actor_options, node_scoped_name
 from raykv.config import RayKVConfig
 from raykv.wire import TIER_CPU, TIER_DISK, TIER_ORDER, TIER_REMOTE
 
@@ -28,27 +26,6 @@ from raykv.wire import TIER_CPU, TIER_DISK, TIER_ORDER, TIER_REMOTE
 def scoped(base: str, node_id: str | None) -> str:
     """`base`, or its node-scoped form for `node_id`."""
     return node_scoped_name(base, node_id) if node_id else base
-
-
-def actor_options(name: str, namespace: str, node_id: str | None = None) -> dict[str, Any]:
-    """Options of a raykv actor: detached, named, restarted forever, 0 CPUs. Hard affinity
-    to `node_id` if given, else soft affinity to the calling node (tiers sit beside their
-    first user)."""
-    try:
-        node = node_id or ray.get_runtime_context().get_node_id()
-    except Exception:
-        node = None
-    options: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "get_if_exists": True,
-        "lifetime": "detached",
-        "num_cpus": 0,
-        **ACTOR_OPTIONS,
-    }
-    if node is not None:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=node_id is None)
-    return options
 
 
 def create_tier(config: RayKVConfig, tier: str, node_id: str | None = None) -> Any:

@@ -19,10 +19,8 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raykv.actors.base import ACTOR_OPTIONS
-from raykv.actors.common import resolve_batch
+from raykv.actors.common import actor_options, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.kv_server import KVServerState
@@ -83,19 +81,11 @@ def get_or_create_kv_server(
     `resources` is a custom resource name (or `{name: amount}`) that only the wanted
     node(s) offer. An existing server is returned as is, with its own capacity.
     """
-    options: dict[str, Any] = {
-        "name": name,
-        "namespace": config.namespace,
-        "get_if_exists": True,
-        "lifetime": "detached",
-        **ACTOR_OPTIONS,
-    }
-    if node_id:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     if isinstance(resources, str):
         resources = {resources: _RESOURCE_SHARE}
-    if resources:
-        options["resources"] = dict(resources)
+    options = actor_options(
+        name, config.namespace, node_id or None, near_caller=False, resources=resources
+    )
     return KVServer.options(**options).remote(
         config.max_remote_bytes, config.policy_for(TIER_REMOTE)
     )

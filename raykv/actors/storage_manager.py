@@ -51,6 +51,7 @@ from raykv.tiers.index import (
     split_spans,
     tokens,
 )
+from raykv.tiers.lease import sweep_forever
 from raykv.wire import (
     TIER_CPU,
     TIER_DISK,
@@ -63,15 +64,7 @@ from raykv.wire import (
 
 logger = logging.getLogger(__name__)
 
-RESYNC_INTERVAL_SECS = 1.0  # how often every tier is asked for its incarnation
-CONTROL_TIMEOUT_SECS = 10.0  # bound on control calls to a tier that may be restarting
 _EMPTY = np.empty(0, dtype=np.uint8)
-# A lookup's remote probe gets this share of `lookup_timeout_ms`, so on a slow remote the
-# manager answers first with the CPU/disk part of the prefix.
-REMOTE_PROBE_SHARE = 0.5
-# A pull (promotion into CPU, or a direct read without a CPU tier) is a miss after this
-# many lookup timeouts (the client gives a get four).
-PULL_TIMEOUT_FACTOR = 2.0
 # `wait` on a lookup id it does not know waits this long for its prefetch to arrive.
 WAIT_FOR_PREFETCH_SECS = 1.0
 
@@ -127,18 +120,17 @@ class StorageManager:
     async def _startup(self) -> None:
         await asyncio.gather(*(self._t.resync(t) for t in self._index.order))
         self._t.spawn(self._t.watch())
-        self._t.spawn(self._sweep_leases())
+        self._t.spawn(sweep_forever(self._config.pin_lease_secs, self._expire_lookups))
         if self._link is not None:
             self._t.spawn(self._link.report_loop(self._index.snapshot))
 
-    async def _sweep_leases(self) -> None:
+    def _expire_lookups(self) -> list[str]:
         """Release lookups whose client never came back (died, or forgot to get/unpin)."""
-        every = min(max(self._config.pin_lease_secs / 4, 0.05), 5.0)
-        while True:
-            await asyncio.sleep(every)
-            for lookup_id in self._index.expired():
-                logger.info("lookup %s: lease expired, releasing its pins", lookup_id)
-                self._close(lookup_id)
+        expired = self._index.expired()
+        for lookup_id in expired:
+            logger.info("lookup %s: lease expired, releasing its pins", lookup_id)
+            self._close(lookup_id)
+        return expired
 
     def _close(self, lookup_id: str) -> Lookup | None:
         rec = self._index.close(lookup_id)
@@ -264,7 +256,7 @@ class StorageManager:
         a pin that arrives after its unpin is ignored by the CPU store)."""
         got = self._index.pin(rec, keys)
         if got and self._t.cpu is not None:
-            self._t.cpu.pin.remote(rec.lookup_id, keys[:got], self._index.lease_secs)
+            self._t.cpu.pin.remote(rec.lookup_id, keys[:got], self._index.leases.secs)
 
     async def prefetch(
         self,
@@ -475,6 +467,14 @@ class StorageManager:
         """The incarnation of each tier the index was built from."""
         await self._ready()
         return dict(self._index.incarnations)
+
+    async def indexed_keys(self, tier: str) -> list[CacheKey]:
+        """The keys the index says `tier` holds, to check it against the tier's own `keys()`
+        (tools and tests; a remote tier's index is a bounded sample)."""
+        await self._ready()
+        if tier not in self._index.order:
+            raise InvalidInputError(f"tier {tier!r} is not enabled; enabled: {self._index.order}")
+        return list(self._index.held(tier))
 
     async def tier_handles(self) -> dict[str, Any]:
         """tier name -> actor handle (for tools and tests)."""

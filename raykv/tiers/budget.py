@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey
 from raykv.policies import make_policy, touch_prefix
 
 DEFAULT_EXPECTED_CHUNK_BYTES = 2 << 20
@@ -246,15 +245,15 @@ def check_put_lengths(keys: Sequence[Any], metas: Sequence[Any], arrays: Sequenc
 class BoundedKeySet:
     """A set of keys holding at most `max_keys`: adding past the cap forgets the keys
     added (or re-confirmed by `update`) longest ago. Has the set operations the manager's
-    index uses."""
+    index uses. Keys are any hashables (cache keys here, chunk ids in the router)."""
 
     __slots__ = ("_keys", "max_keys")
 
-    def __init__(self, max_keys: int, keys: Iterable[CacheKey] = ()) -> None:
+    def __init__(self, max_keys: int, keys: Iterable[Hashable] = ()) -> None:
         if max_keys < 1:
-            raise InvalidInputError(f"max_keys must be >= 1, got {max_keys}")
+            raise InvalidInputError(f"a bounded key set needs max_keys >= 1, got {max_keys}")
         self.max_keys = max_keys
-        self._keys: OrderedDict[CacheKey, None] = OrderedDict()
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self.update(keys)
 
     def __contains__(self, key: object) -> bool:
@@ -263,10 +262,10 @@ class BoundedKeySet:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __iter__(self) -> Iterator[CacheKey]:
+    def __iter__(self) -> Iterator[Hashable]:
         return iter(self._keys)
 
-    def update(self, keys: Iterable[CacheKey]) -> None:
+    def update(self, keys: Iterable[Hashable]) -> None:
         d = self._keys
         for key in keys:
             d[key] = None
@@ -274,11 +273,11 @@ class BoundedKeySet:
         while len(d) > self.max_keys:
             d.popitem(last=False)
 
-    def difference_update(self, keys: Iterable[CacheKey]) -> None:
+    def difference_update(self, keys: Iterable[Hashable]) -> None:
         for key in keys:
             self._keys.pop(key, None)
 
-    def intersection(self, keys: Iterable[CacheKey]) -> set[CacheKey]:
+    def intersection(self, keys: Iterable[Hashable]) -> set[Hashable]:
         return {k for k in keys if k in self._keys}
 
     def clear(self) -> None:

@@ -24,6 +24,7 @@ from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.policies import make_policy, touch_prefix
 from raykv.tiers.budget import check_priority
+from raykv.tiers.lease import Leases
 from raykv.wire import TIER_CPU, ChunkRef
 
 # A policy's `capacity` is an object count; size it for chunks of about this many bytes.
@@ -90,12 +91,6 @@ def payload_problems(metas: Any, arrays: Any, indices: Iterable[int]) -> dict[in
     return out
 
 
-@dataclass(slots=True)
-class _Lease:
-    deadline: float
-    entries: list[_Entry] = field(default_factory=list)
-
-
 class CPUStore:
     """The CPU tier's index: key -> (batch object, index, meta, bytes, pins).
 
@@ -119,8 +114,8 @@ class CPUStore:
         n_objects = policy_capacity or max(1024, self.capacity // _TYPICAL_CHUNK_BYTES)
         self._policy = make_policy(policy, n_objects)
         self._entries: dict[CacheKey, _Entry] = {}
-        self._leases: dict[str, _Lease] = {}
-        self._lease_secs = lease_secs
+        self._leases = Leases(lease_secs, clock)
+        self._pinned: dict[str, list[_Entry]] = {}  # what each open lookup pinned
         # Lookup ids already released, with when to forget them (insertion order is expiry
         # order). The manager sends pin and unpin without waiting and an async actor does
         # not keep their order: a pin arriving after its unpin must not open a new lease.
@@ -352,6 +347,7 @@ class CPUStore:
     def clear(self) -> None:
         self._entries.clear()
         self._leases.clear()
+        self._pinned.clear()
         self._policy.clear()
         self.used_bytes = self.live_bytes = self.batches = self.pinned_bytes = 0
 
@@ -383,11 +379,8 @@ class CPUStore:
         """
         if lookup_id in self._closed:
             return 0
-        lease = self._leases.get(lookup_id)
-        deadline = self._clock() + (self._lease_secs if lease_secs is None else lease_secs)
-        if lease is None:
-            lease = self._leases[lookup_id] = _Lease(deadline)
-        lease.deadline = max(lease.deadline, deadline)
+        self._leases.renew(lookup_id, lease_secs)
+        pinned = self._pinned.setdefault(lookup_id, [])
         n = 0
         for key in keys:
             entry = self._entries.get(key)
@@ -398,7 +391,7 @@ class CPUStore:
                 if batch.pins == 1:
                     self.pinned_bytes += batch.nbytes
                     self._leave(batch)
-                lease.entries.append(entry)
+                pinned.append(entry)
                 n += 1
         return n
 
@@ -410,13 +403,14 @@ class CPUStore:
         """
         self._closed.pop(lookup_id, None)  # re-insert: insertion order is expiry order
         self._closed[lookup_id] = self._clock() + self._closed_secs
-        lease = self._leases.pop(lookup_id, None)
-        if lease is None:
+        self._leases.end(lookup_id)
+        pinned = self._pinned.pop(lookup_id, None)
+        if pinned is None:
             return 0
-        # The lease holds the entries it pinned, so a key evicted and re-added since
+        # The lookup holds the entries it pinned, so a key evicted and re-added since
         # is not unpinned by mistake.
         freed: list[_Batch] = []
-        for entry in lease.entries:
+        for entry in pinned:
             entry.pins -= 1
             batch = entry.batch
             batch.pins -= 1
@@ -424,7 +418,7 @@ class CPUStore:
                 self.pinned_bytes -= batch.nbytes
                 freed.append(batch)
         self._return(freed)
-        return len(lease.entries)
+        return len(pinned)
 
     def is_closed(self, lookup_id: str) -> bool:
         return lookup_id in self._closed
@@ -435,7 +429,7 @@ class CPUStore:
         Also forgets released lookup ids older than their retention.
         """
         now = self._clock() if now is None else now
-        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        expired = self._leases.expired(now)
         for lookup_id in expired:
             self.unpin(lookup_id)
         self.expired_leases += len(expired)
@@ -446,9 +440,6 @@ class CPUStore:
                 break
             del closed[lookup_id]
         return expired
-
-    def next_lease_deadline(self) -> float | None:
-        return min((lease.deadline for lease in self._leases.values()), default=None)
 
     def touch(self, keys: Sequence[CacheKey]) -> None:
         """Apply a request's hits at once, prefix-closed (the first chunk ends most recent).

@@ -39,7 +39,7 @@ import xxhash
 
 from raykv import metrics
 from raykv.errors import ConfigError, InvalidInputError, PayloadError
-from raykv.keys import CacheKey
+from raykv.keys import CacheKey, KeyIdentity
 from raykv.payload import (
     LAYOUT_KV_2LTD,
     MAX_PAYLOAD_BYTES,
@@ -241,10 +241,10 @@ def _file_name(key: CacheKey) -> str:
 
 
 class _KeyParser:
-    """Parses file names back to keys; caches the (model, world, worker, dtype) part."""
+    """Parses file names back to keys; caches each file-name head's `CacheKey.identity`."""
 
     def __init__(self) -> None:
-        self._heads: dict[tuple[str, str], tuple[str, int, int]] = {}
+        self._heads: dict[tuple[str, str], KeyIdentity] = {}
 
     def __call__(self, text: str) -> CacheKey | None:
         head, _, rest = text.rpartition("@")  # rest = dtype
@@ -255,11 +255,11 @@ class _KeyParser:
                 key = CacheKey.from_string(text)
             except (InvalidInputError, ValueError):
                 return None
-            self._heads[(head, rest)] = (key.model_name, key.world_size, key.worker_id)
+            self._heads[(head, rest)] = key.identity
             return key
         if not _HEX32.match(chunk_hash):
             return None
-        return CacheKey(cached[0], cached[1], cached[2], chunk_hash, rest)
+        return CacheKey.of(cached, chunk_hash)
 
 
 class DiskStore:

@@ -22,13 +22,14 @@ manager keeps about the tiers lives in this one object, so every rule below is t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, ChunkSpan
+from raykv.keys import CacheKey, ChunkSpan, leading
 from raykv.tiers.budget import BoundedKeySet
+from raykv.tiers.lease import Leases
 from raykv.wire import (
     TIER_CPU,
     TIER_ORDER,
@@ -46,15 +47,6 @@ TIER_PEER = "peer"
 REMOTE_INDEX_MAX_KEYS = 1 << 20
 
 Segment = tuple[str, int, int]  # (tier, start, stop) over a request's keys
-
-
-def leading(keys: Sequence[Any], start: int, holds: Callable[[Any], bool] | Container) -> int:
-    """The end of the run of `keys[start:]` that `holds` (a predicate or a container) accepts."""
-    test = holds if callable(holds) else holds.__contains__
-    end, n = start, len(keys)
-    while end < n and test(keys[end]):
-        end += 1
-    return end
 
 
 def kind(tier: str) -> str:
@@ -92,7 +84,6 @@ class Lookup:
     """A lookup with pins or a prefetch in flight, until its get, unpin or lease end."""
 
     lookup_id: str
-    deadline: float
     cpu_incarnation: str | None
     ends: list[int] = field(default_factory=list)
     refs: dict[CacheKey, ChunkRef] = field(default_factory=dict)
@@ -126,7 +117,7 @@ class PrefixIndex:
             raise InvalidInputError(f"unknown tier(s) {sorted(unknown)}; allowed: {TIER_ORDER}")
         self.order = [t for t in TIER_ORDER if t in tiers]
         self.lower_tiers = [t for t in self.order if t != TIER_CPU]
-        self.lease_secs = lease_secs
+        self.leases = Leases(lease_secs, clock)
         self.reporter = reporter
         self._clock = clock
         self._remote_max = remote_index_max_keys
@@ -351,10 +342,9 @@ class PrefixIndex:
         """The open lookup `lookup_id`, created with a fresh lease if new."""
         rec = self.lookups.get(lookup_id)
         if rec is None:
-            rec = Lookup(
-                lookup_id, self._clock() + self.lease_secs, self.incarnations.get(TIER_CPU), ends
-            )
+            rec = Lookup(lookup_id, self.incarnations.get(TIER_CPU), ends)
             self.lookups[lookup_id] = rec
+            self.leases.renew(lookup_id)
         return rec
 
     def pin(self, rec: Lookup, keys: list[CacheKey]) -> int:
@@ -387,14 +377,14 @@ class PrefixIndex:
     def close(self, lookup_id: str) -> Lookup | None:
         """End `lookup_id` (get, unpin, lease end); its record, or None if unknown."""
         rec = self.lookups.pop(lookup_id, None)
+        self.leases.end(lookup_id)
         if rec is not None:
             rec.closed = True
         return rec
 
     def expired(self, now: float | None = None) -> list[str]:
         """Ids of open lookups whose lease ended (their client died or forgot them)."""
-        now = self._clock() if now is None else now
-        return [k for k, r in self.lookups.items() if r.deadline <= now]
+        return self.leases.expired(now)
 
     def collect(self, keys: list[CacheKey], held: dict[CacheKey, ChunkRef]) -> RetrieveResult:
         """The leading chunks of `keys` readable from CPU: held by a lookup, or indexed."""
@@ -440,7 +430,11 @@ class PrefixIndex:
         return snap
 
     def entries(self, tier: str) -> int:
-        return len(self.cpu if tier == TIER_CPU else self.lower[tier])
+        return len(self.held(tier))
+
+    def held(self, tier: str) -> Collection[CacheKey]:
+        """The keys the index says `tier` holds."""
+        return self.cpu.keys() if tier == TIER_CPU else self.lower[tier]
 
     def stats(self) -> dict[str, Any]:
         looked = self.counts["hit_tokens"] + self.counts["miss_tokens"]

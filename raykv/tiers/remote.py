@@ -34,7 +34,7 @@ from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, buffer_problem, decode, encode
 from raykv.tiers.budget import check_put_lengths
-from raykv.wire import TIER_REMOTE, PutAck
+from raykv.wire import TIER_REMOTE, PutAck, join_parts, split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +54,9 @@ def _object_ref_type() -> type | None:
 
 
 async def resolve_batch_async(batch: Any) -> list[np.ndarray]:
-    """The arrays of a put: `[ObjectRef]` holding `list[np.ndarray]`, or arrays by value."""
-    ref_type = _object_ref_type()
-    if ref_type is None:
-        return list(batch)
-    if isinstance(batch, ref_type):
-        batch = [batch]
-    batch = list(batch)
-    if batch and all(isinstance(b, ref_type) for b in batch):
-        parts = await asyncio.gather(*batch)
-        return [array for part in parts for array in part]
-    return batch
+    """The arrays of a put's batch (see `raykv.wire.split_batch`), awaited."""
+    refs, arrays = split_batch(batch, _object_ref_type())
+    return join_parts(await asyncio.gather(*refs)) if refs else arrays
 
 
 class RemoteBackend(Protocol):

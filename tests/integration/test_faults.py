@@ -37,6 +37,7 @@ C = 16
 L, HIDDEN = 2, 16
 GIB = 1 << 30
 CPU_BYTES = 4 << 20
+CHUNK_BYTES = 2 * L * C * HIDDEN * 2 + 256  # fp16 K and V of one chunk, plus its header
 
 
 class Marker:
@@ -298,5 +299,50 @@ def test_a_cpu_store_killed_for_good_is_recreated_and_disk_serves_meanwhile(
         assert kv.store(other, kv_for(other)) == len(other)
         assert retrieve_hits(kv, other) == len(other)
         assert kv.stats()["tiers"]["cpu"]["entries"] >= 2
+    finally:
+        kv.close()
+
+
+def test_pulls_that_time_out_leave_the_index_equal_to_the_cpu_store(
+    ns: str, tmp_path: Path
+) -> None:
+    # #13 defect 2: a pull that timed out was dropped with its reply, but the CPU store had
+    # loaded (and evicted for) it: the manager's index kept refs to evicted batches and
+    # served them beyond the CPU budget, with no bound in time. A 1 ms lookup timeout makes
+    # nearly every promotion from disk outlive the manager's wait.
+    kv = raykv.connect(
+        **settings(
+            ns,
+            tmp_path,
+            local_disk=str(tmp_path / "disk"),
+            max_local_disk_size=0.01,
+            max_local_cpu_size=CHUNK_BYTES * 12 / GIB,  # about 4 of the 12 prompts
+            lookup_timeout_ms=1,
+        )
+    )
+    try:
+        prompts = [prompt(3) for _ in range(12)]
+        for tokens in prompts:
+            kv.store(tokens, kv_for(tokens))
+        assert kv.flush()
+        stats = kv.stats()
+        for _ in range(20):  # promotions from disk, most outliving their timeout
+            for tokens in prompts:
+                retrieve_hits(kv, tokens)  # a miss or right bytes, never an exception
+            stats = kv.stats()
+            if stats["pull_timeouts"] >= 5:
+                break
+        assert stats["pull_timeouts"] >= 5, stats
+
+        manager = ray.get_actor(STORAGE_MANAGER_NAME, namespace=ns)
+        store = tiers(ns)["cpu"]
+
+        def settled() -> bool:  # the index names exactly the chunks the store holds
+            indexed = ray.get(manager.indexed_keys.remote("cpu"))
+            return set(indexed) == set(ray.get(store.keys.remote()))
+
+        assert wait_for(settled, timeout=10), kv.stats()["tiers"]["cpu"]
+        cpu = kv.stats()["tiers"]["cpu"]
+        assert cpu["used_bytes"] <= cpu["capacity_bytes"], cpu
     finally:
         kv.close()
