@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `raykv` console script; returns the process exit code."""
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in == ["--version"]:  # answered without importing the subcommands (numpy etc.)
+        from raykv import __version__
+
+        print(f"raykv {__version__}")
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

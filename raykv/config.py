@@ -124,6 +124,7 @@ class RayKVConfig:
     ray_address: str | None = None  # Ray to attach to when not up in-process; null: $RAY_ADDRESS
     enable_controller: bool = False  # report chunks to the KVController (aware routing, peer tier)
     max_lower_writes_in_flight: int = 32  # background writes per lower tier; beyond it: skipped
+    store_staging_size: float = 0.0  # GB a client stages for background stores; 0: stores wait
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
@@ -233,6 +234,11 @@ class RayKVConfig:
     def max_local_cpu_bytes(self) -> int:
         """CPU tier capacity in bytes."""
         return int(self.max_local_cpu_size * GB)
+
+    @property
+    def store_staging_bytes(self) -> int:
+        """Bytes of a client's background-store staging ring (0: synchronous stores)."""
+        return int(self.store_staging_size * GB)
 
     @property
     def max_local_disk_bytes(self) -> int:
@@ -382,6 +388,7 @@ def _validate(cfg: RayKVConfig) -> None:
     for name in ("max_lower_writes_in_flight", "remote_index_max_keys"):
         _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
     _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
+    _require(cfg, "store_staging_size", cfg.store_staging_size >= 0, "must be >= 0 GB")
     if cfg.kv_server_node_id is not None:
         _require(
             cfg,

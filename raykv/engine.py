@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,7 @@ from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
+from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,10 @@ class KVCache:
         # and each retrieve releases exactly one).
         self._by_key: dict[CacheKey, deque[str]] = {}
         self._closed = False
+        # Background stores (config.store_staging_size > 0): one copy into a staging ring,
+        # then a worker thread does the ray.put and the manager call.
+        staging = config.store_staging_bytes
+        self._stager = Stager(staging, name=f"raykv-stager-{config.namespace}") if staging else None
 
     # ----- keys and validation -----
 
@@ -116,6 +122,78 @@ class KVCache:
             )
         self._check_geometry(kv.shape[1], kv.shape[3], what)
 
+    def _check_source(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> None:
+        """The checks of `_payloads`, without producing the buffers."""
+        if isinstance(kv, KVTarget):
+            self._check_destination(kv, n_tokens)
+        elif isinstance(kv, torch.Tensor):
+            self._check_kv_tensor(kv, n_tokens, "kv")
+        else:
+            self._check_chunks(kv, spans)
+
+    def _check_chunks(self, kv: Any, spans: list[ChunkSpan]) -> None:
+        if not isinstance(kv, Sequence) or isinstance(kv, (str, bytes)):
+            raise InvalidInputError(
+                "kv must be a KV_2LTD tensor, a list of chunk tensors or a KVTarget, "
+                f"got {type(kv).__name__}"
+            )
+        if len(kv) != len(spans):
+            raise InvalidInputError(
+                f"got {len(kv)} KV chunks for {len(spans)} chunks of the prompt "
+                f"(chunk_size={self.config.chunk_size}, mask applied)"
+            )
+        for j, (chunk, span) in enumerate(zip(kv, spans, strict=True)):
+            self._check_kv_tensor(chunk, span.end - span.start, f"KV chunk {j}")
+            if chunk.shape[2] != span.end - span.start:
+                raise InvalidInputError(
+                    f"KV chunk {j} has {chunk.shape[2]} tokens, expected {span.end - span.start}"
+                )
+
+    def _fill(
+        self, region: np.ndarray, kv: KVSource, spans: list[ChunkSpan], metas: list[PayloadMeta]
+    ) -> None:
+        """Copy the chunks of `kv` (checked) into `region`, back to back in span order."""
+        if isinstance(kv, KVTarget):
+            buffers = [b for b, _ in kv.connector.to_buffers(kv.buffers, spans, kv.slot_mapping)]
+            copy_buffers(region, buffers)
+            return
+        off = 0
+        for j, (span, meta) in enumerate(zip(spans, metas, strict=True)):
+            out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
+            src = kv[:, :, span.start : span.end, :] if isinstance(kv, torch.Tensor) else kv[j]
+            out.view(meta.shape).copy_(src)
+            off += meta.nbytes
+
+    def _stage(
+        self,
+        spans: list[ChunkSpan],
+        metas: list[PayloadMeta],
+        nbytes: int,
+        fill: Any,
+        priority: int | None,
+        prefix: list[CacheKey] | None,
+    ) -> bool:
+        """Hand one store to the background worker; False if the staging ring is full."""
+
+        def send(region: np.ndarray, done: Any) -> None:
+            views, off = [], 0
+            for meta in metas:
+                views.append(region[off : off + meta.nbytes])
+                off += meta.nbytes
+            self._put(spans, views, metas, priority, prefix, on_put=done)
+
+        if self._stager.stage(nbytes, fill, send):  # type: ignore[union-attr]
+            return True
+        logger.debug("raykv staging ring full: store of %d chunks dropped", len(spans))
+        metrics.inc("raykv_skipped_stores", len(spans), tier=TIER_CPU)
+        return False
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """Let this client's staged stores reach the manager first (read your own writes)."""
+        if self._stager is not None and self._stager.pending:
+            if not self._stager.drain(self._lookup_timeout * 4 if timeout is None else timeout):
+                logger.warning("raykv: staged stores still in flight; this call may miss them")
+
     def _payloads(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> list[np.ndarray]:
         """Flat uint8 buffers of the chunks, in span order, validated against the layout."""
         if isinstance(kv, KVTarget):
@@ -124,26 +202,8 @@ class KVCache:
         if isinstance(kv, torch.Tensor):
             self._check_kv_tensor(kv, n_tokens, "kv")
             return [tensor_to_buffer(kv[:, :, s.start : s.end, :])[0] for s in spans]
-        if isinstance(kv, Sequence) and not isinstance(kv, (str, bytes)):
-            if len(kv) != len(spans):
-                raise InvalidInputError(
-                    f"got {len(kv)} KV chunks for {len(spans)} chunks of the prompt "
-                    f"(chunk_size={self.config.chunk_size}, mask applied)"
-                )
-            out = []
-            for j, (chunk, span) in enumerate(zip(kv, spans, strict=True)):
-                self._check_kv_tensor(chunk, span.end - span.start, f"KV chunk {j}")
-                if chunk.shape[2] != span.end - span.start:
-                    raise InvalidInputError(
-                        f"KV chunk {j} has {chunk.shape[2]} tokens, "
-                        f"expected {span.end - span.start}"
-                    )
-                out.append(tensor_to_buffer(chunk)[0])
-            return out
-        raise InvalidInputError(
-            "kv must be a KV_2LTD tensor, a list of chunk tensors or a KVTarget, "
-            f"got {type(kv).__name__}"
-        )
+        self._check_chunks(kv, spans)
+        return [tensor_to_buffer(chunk)[0] for chunk in kv]
 
     # ----- manager calls: a fault is a miss -----
 
@@ -185,6 +245,12 @@ class KVCache:
         list of per-chunk `KV_2LTD` tensors, or a `KVTarget` (read through its connector).
         `mask` (all False, then all True) skips leading tokens already stored. With
         `config.priority_limit` set, a request whose `priority` exceeds it is not stored.
+
+        With `config.store_staging_size > 0` the store runs in the background: the call
+        copies the KV once into a staging ring and returns the tokens it accepted (0 when
+        the ring is full: the store is dropped and counted, the caller never waits). Other
+        clients see the chunks once the CPU tier has them; this client's own lookups,
+        retrieves, stats and flushes first wait for its staged stores.
         """
         spans = self.spans(tokens, mask)
         n_tokens = len(as_token_array(tokens))
@@ -193,12 +259,26 @@ class KVCache:
             raise InvalidInputError(f"priority must be an int or None, got {priority!r}")
         if not spans or (limit is not None and priority is not None and priority > limit):
             return 0
-        arrays = self._payloads(kv, spans, n_tokens)
-        metas = [self._meta(span) for span in spans]
         # The request's chunks before the stored ones (a mask skipped them): the tiers
         # keep them at least as recent as the new chunks, so eviction stays prefix-closed.
         every = self.spans(tokens) if mask is not None else spans
         prefix = [s.key for s in every[: len(every) - len(spans)]]
+        if self._stager is not None:
+            self._check_source(kv, spans, n_tokens)
+            metas = [self._meta(span) for span in spans]
+            nbytes = sum(m.nbytes for m in metas)
+            if nbytes <= self._stager.ring.capacity:
+                fill = lambda region: self._fill(region, kv, spans, metas)  # noqa: E731
+                staged = self._stage(spans, metas, nbytes, fill, priority, prefix)
+                return sum(s.end - s.start for s in spans) if staged else 0
+            logger.warning(
+                "raykv store of %d bytes exceeds store_staging_size (%d bytes): stored in the "
+                "caller's thread",
+                nbytes,
+                self._stager.ring.capacity,
+            )
+        arrays = self._payloads(kv, spans, n_tokens)
+        metas = [self._meta(span) for span in spans]
         held = self._put(spans, arrays, metas, priority, prefix)
         return sum(s.end - s.start for s in spans[:held])
 
@@ -217,6 +297,7 @@ class KVCache:
         spans = self.spans(tokens)
         if not spans:
             return 0
+        self._settle()
         owned = lookup_id is not None
         if pin and lookup_id is None:
             lookup_id = uuid.uuid4().hex
@@ -272,6 +353,7 @@ class KVCache:
     def prefetch(self, tokens: Any) -> str:
         """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
         spans = self.spans(tokens)
+        self._settle()
         lookup_id = uuid.uuid4().hex
         if spans and not self._closed:
             try:
@@ -365,6 +447,7 @@ class KVCache:
             if lookup_id is not None:
                 self.unpin(lookup_id, wait=False)
             return [], []
+        self._settle()
         if lookup_id is None:
             lookup_id = self._pin_for(spans)
         else:
@@ -450,7 +533,13 @@ class KVCache:
                 raise InvalidInputError(
                     f"payload {j} must be a flat uint8 numpy array of {meta.nbytes} bytes"
                 )
-        return self._put(spans, list(buffers), metas, None, prefix) if spans else 0
+        if not spans:
+            return 0
+        nbytes = sum(m.nbytes for m in metas)
+        if self._stager is not None and nbytes <= self._stager.ring.capacity:
+            fill = lambda region: copy_buffers(region, buffers)  # noqa: E731
+            return len(spans) if self._stage(spans, metas, nbytes, fill, None, prefix) else 0
+        return self._put(spans, list(buffers), metas, None, prefix)
 
     def _put(
         self,
@@ -459,16 +548,22 @@ class KVCache:
         metas: list[PayloadMeta],
         priority: int | None = None,
         prefix: list[CacheKey] | None = None,
+        on_put: Any = None,
     ) -> int:
         """One `ray.put` of the request's payloads, one manager call; chunks CPU now holds.
 
         The input was checked before: any failure from here on is a fault (object store
         full, Ray going away, ...), which costs the chunks (0 stored), never an exception.
+        `on_put` (if given) is called once the payloads are copied out of `arrays`.
         """
         if not ray.is_initialized():  # Ray shut down under us: never start a new one here
             return 0
         try:
-            batch = [ray.put(arrays)]
+            try:
+                batch = [ray.put(arrays)]
+            finally:
+                if on_put is not None:
+                    on_put()
         except Exception as exc:  # the chunks are not cached; the caller's request goes on
             logger.warning(
                 "raykv put of %d chunks failed (%s: %s): not cached",
@@ -564,20 +659,31 @@ class KVCache:
 
     def stats(self) -> dict[str, Any]:
         """Per-tier entries, bytes, hits and evictions (see `StorageManager.stats`)."""
-        return self._call("stats", timeout=30.0, default={})
+        self._settle()
+        stats = self._call("stats", timeout=30.0, default={})
+        if self._stager is not None and stats:
+            stats["client"] = self._stager.stats()
+        return stats
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until background writes to the disk and remote tiers have landed."""
-        return bool(self._call("flush", timeout, timeout=timeout + 5.0, default=False))
+        t0 = time.monotonic()
+        if self._stager is not None and not self._stager.drain(timeout):
+            return False
+        left = max(0.0, timeout - (time.monotonic() - t0))
+        return bool(self._call("flush", left, timeout=left + 5.0, default=False))
 
     def clear(self) -> None:
         """Empty every tier of this namespace."""
+        self._settle()
         self._call("clear", timeout=60.0, default=None)
 
     def close(self) -> None:
         """Release this client's pins; the shared cache itself keeps running."""
         if self._closed:
             return
+        if self._stager is not None:
+            self._stager.close(self._lookup_timeout * 4)
         for lookup_id in list(self._pins):
             self.unpin(lookup_id)
         self._pins.clear()

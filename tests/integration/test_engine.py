@@ -44,10 +44,12 @@ def settings(tmp_path_factory):
         shutdown_manager(ns)
 
 
-@pytest.fixture
-def kv(settings):
-    """A client of the module's cache (cheap: the actors already run)."""
-    with raykv.connect(**settings) as cache:
+@pytest.fixture(params=[0.0, 0.01], ids=["sync-store", "staged-store"])
+def kv(settings, request):
+    """A client of the module's cache (cheap: the actors already run). Every test runs with
+    synchronous stores and with background stores through a 10 MiB staging ring."""
+    _SALT[0] = request.param_index
+    with raykv.connect(**settings, store_staging_size=request.param) as cache:
         yield cache
 
 
@@ -59,8 +61,11 @@ def wait_until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+_SALT = [0]  # set per `kv` variant, so the two variants never share prompts
+
+
 def prompt(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n)
+    return np.random.default_rng([seed, _SALT[0]]).integers(0, 30000, n)
 
 
 def test_store_then_retrieve_returns_the_same_kv_and_a_prefix_mask(kv):
@@ -245,3 +250,36 @@ def test_closed_client_refuses_requests(kv):
     kv.close()
     with pytest.raises(InvalidInputError, match="closed"):
         kv.lookup(prompt(14, C))
+
+
+def test_a_staged_store_returns_before_the_put_and_its_own_lookups_see_it(settings):
+    with raykv.connect(**settings, store_staging_size=0.01) as kv:
+        tokens = prompt(900, 6 * C)
+        full = kv_for(tokens)
+        assert kv.store(tokens, full) == 6 * C  # accepted: copied into the staging ring
+        assert kv.lookup(tokens) == 6 * C  # this client's lookups wait for its stores
+        dest = torch.zeros_like(full)
+        assert kv.retrieve(tokens, dest).all()
+        assert torch.equal(dest, full)
+        client = kv.stats()["client"]
+        assert client["staged_stores"] == 1 and client["pending_stores"] == 0
+        assert client["staging_used_bytes"] == 0  # the ring is free once the put is done
+
+
+def test_a_staged_store_that_finds_the_ring_full_is_dropped_and_counted(settings):
+    chunk_bytes = 2 * L * C * HIDDEN * 2
+    # A ring of one chunk: the second store of a burst finds it still in use.
+    with raykv.connect(**settings, store_staging_size=chunk_bytes / (1 << 30)) as kv:
+        prompts = [prompt(910 + i, C) for i in range(20)]
+        stored = [kv.store(t, kv_for(t)) for t in prompts]
+        assert set(stored) <= {0, C} and 0 in stored  # dropped, not waited for
+        stats = kv.stats()["client"]
+        assert stats["dropped_stores"] == stored.count(0) and stats["pending_stores"] == 0
+        for t, n in zip(prompts, stored, strict=True):
+            if n:  # what was accepted is served, with the right bytes
+                dest = torch.zeros(2, L, C, HIDDEN, dtype=torch.float16)
+                assert kv.retrieve(t, dest).all() and torch.equal(dest, kv_for(t))
+        # A store bigger than the whole ring is not dropped: it runs in the caller.
+        big = prompt(950, 3 * C)
+        assert kv.store(big, kv_for(big)) == 3 * C
+        assert kv.lookup(big) == 3 * C

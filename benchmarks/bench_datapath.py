@@ -1,0 +1,235 @@
+"""The client's data path: how long `store` blocks the caller and how fast `retrieve`
+fills a preallocated destination, at 8, 32 and 128 MiB of fp16 KV (issue #14).
+
+    python -m benchmarks.bench_datapath [--quick] [--json PATH]
+
+Figures and their same-run baselines, timed alternately (interleaved) so both see the
+same machine; each is reported as min / median / max over the repeats:
+
+* staged `store` (config `store_staging_size`): the time the caller is blocked, against
+  one memcpy of the same bytes into a preallocated buffer (torch `copy_` of the same
+  `KV_2LTD` tensor). Goal: <= 1.5x. The background `ray.put` and manager call are
+  drained between repeats (untimed), so every repeat finds the ring free.
+* synchronous `store` (the default): the same store waiting for the object store and
+  the manager, against the same memcpy, for comparison.
+* `retrieve` into a preallocated destination, against one trivial async-actor round
+  trip plus one memcpy of the bytes. Goal: baseline / retrieve >= 0.8.
+
+A goal is "noisy" when the baseline's own spread (max/min) is wider than the gap
+between the figure and the goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import ray
+import torch
+
+import raykv
+from benchmarks._util import Summary
+from raykv.actors.storage_manager import shutdown_manager
+
+LAYERS, HIDDEN = 8, 1024  # 32 KiB of fp16 K+V per token
+CHUNK = 256
+SIZES_MIB = (8, 32, 128)
+
+
+@ray.remote(num_cpus=0)
+class Ping:
+    async def ping(self) -> None:
+        return None
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
+
+
+def interleave(
+    fn: Callable[[int], object], base: Callable[[int], object], reps: int, between=None
+) -> tuple[list[float], list[float]]:
+    """Times of `fn(i)` and `base(i)`, alternating which goes first; `between` untimed."""
+    fn(-1), base(-1)
+    if between:
+        between()
+    a, b = [], []
+    for i in range(reps):
+        order = ((fn, a), (base, b)) if i % 2 == 0 else ((base, b), (fn, a))
+        for f, out in order:
+            t0 = time.perf_counter()
+            f(i)
+            out.append(time.perf_counter() - t0)
+            if between:
+                between()
+    return a, b
+
+
+def tokens_for(n_tokens: int) -> np.ndarray:
+    return np.random.default_rng(uuid.uuid4().int % 2**32).integers(0, 30_000, n_tokens)
+
+
+def judge(summary: Summary, goal: str, ratio: float, limit: float, higher: bool, noise: float):
+    gap = abs(ratio - limit) / limit
+    met = ratio >= limit if higher else ratio <= limit
+    verdict: bool | None = met if gap > noise else None  # None: the runner shows "noisy"
+    summary.goal(goal, round(ratio, 3), verdict)
+    return verdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 8/32 MiB only")
+    parser.add_argument("--json", help="write the summary to this JSON file")
+    args = parser.parse_args()
+    reps = 5 if args.quick else 11
+    sizes = SIZES_MIB[:2] if args.quick else SIZES_MIB
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        object_store_memory=4 << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    ns = f"bench-dp-{uuid.uuid4().hex[:8]}"
+    summary = Summary()
+    common = dict(
+        namespace=ns,
+        chunk_size=CHUNK,
+        kv_dtype="float16",
+        max_local_cpu_size=2.0,
+        lookup_timeout_ms=10_000,
+    )
+    staged = raykv.connect(**common, store_staging_size=0.5)
+    plain = raykv.connect(**common)
+    ping = Ping.remote()
+    ray.get(ping.ping.remote())
+    print(f"ray {ray.__version__}, {os.cpu_count()} cores; KV fp16, {LAYERS} layers x {HIDDEN}")
+    try:
+        for mib in sizes:
+            n_tokens = mib * (1 << 20) // (2 * LAYERS * HIDDEN * 2)
+            kv = torch.randn(2, LAYERS, n_tokens, HIDDEN).to(torch.float16)
+            copy_dst = torch.empty_like(kv)
+            memcpy = lambda _i: copy_dst.copy_(kv)  # noqa: E731
+            prompts = [tokens_for(n_tokens) for _ in range(reps + 1)]
+
+            def store_staged(i: int) -> None:
+                assert staged.store(prompts[i], kv) == n_tokens
+
+            def store_plain(i: int) -> None:
+                plain.store(tokens_for(n_tokens), kv)
+
+            t_store, t_copy = interleave(
+                store_staged, memcpy, reps, between=lambda: staged.flush(60)
+            )
+            t_sync, t_copy2 = interleave(store_plain, memcpy, reps)
+            # retrieve: of a stored prompt, into a preallocated destination
+            held = prompts[0]
+            dest = torch.empty_like(kv)
+            assert staged.lookup(held) == n_tokens
+
+            def retrieve(_i: int) -> None:
+                assert staged.retrieve(held, dest).all()
+
+            def ideal(_i: int) -> None:
+                ray.get(ping.ping.remote())
+                dest.copy_(kv)
+
+            t_get, t_ideal = interleave(retrieve, ideal, reps)
+            assert torch.equal(dest, kv)
+            s, c, y, c2 = spread(t_store), spread(t_copy), spread(t_sync), spread(t_copy2)
+            g, i = spread(t_get), spread(t_ideal)
+            gb = mib / 1024
+            ms = lambda d: f"{d['median'] * 1e3:.2f} ms [{d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f}]"  # noqa: E731
+            print(
+                f"{mib:4d} MiB  staged store {ms(s)}  memcpy {ms(c)}  "
+                f"ratio {s['median'] / c['median']:.2f}"
+            )
+            print(
+                f"          sync store {ms(y)}  memcpy {ms(c2)}  "
+                f"ratio {y['median'] / c2['median']:.2f}"
+            )
+            print(
+                f"          retrieve {g['median'] * 1e3:7.2f} ms [{g['min'] * 1e3:.2f}-"
+                f"{g['max'] * 1e3:.2f}]  RTT+memcpy {i['median'] * 1e3:6.2f} ms "
+                f"[{i['min'] * 1e3:.2f}-{i['max'] * 1e3:.2f}]  "
+                f"fraction {i['median'] / g['median']:.2f}",
+                flush=True,
+            )
+            summary.row(
+                f"staged store {mib} MiB (caller blocked)",
+                s["median"] * 1e3,
+                "ms",
+                "memcpy into a preallocated buffer",
+                c["median"] * 1e3,
+            )
+            summary.row(
+                f"sync store {mib} MiB", y["median"] * 1e3, "ms", "memcpy", c2["median"] * 1e3
+            )
+            summary.row(
+                f"retrieve {mib} MiB into a preallocated tensor",
+                gb / g["median"],
+                "GB/s",
+                "one actor round trip + memcpy",
+                gb / i["median"],
+            )
+            noise_c = c["max"] / c["min"] - 1
+            noise_i = i["max"] / i["min"] - 1
+            judge(
+                summary,
+                f"staged store {mib} MiB blocks <= 1.5x memcpy",
+                s["median"] / c["median"],
+                1.5,
+                False,
+                noise_c,
+            )
+            judge(
+                summary,
+                f"retrieve {mib} MiB >= 0.8x (RTT + memcpy)",
+                i["median"] / g["median"],
+                0.8,
+                True,
+                noise_i,
+            )
+        summary.plot(
+            "datapath",
+            "client data path (ms, median)",
+            "MiB",
+            "ms",
+            series={
+                name: [[r_mib, r["value"]] for r_mib, r in zip(sizes, rows, strict=True)]
+                for name, rows in (
+                    ("staged store", [r for r in summary.rows if r["name"].startswith("staged")]),
+                    ("sync store", [r for r in summary.rows if r["name"].startswith("sync")]),
+                )
+            }
+            | {
+                "memcpy": [
+                    [r_mib, r["baseline_value"]]
+                    for r_mib, r in zip(
+                        sizes,
+                        [r for r in summary.rows if r["name"].startswith("staged")],
+                        strict=True,
+                    )
+                ]
+            },
+            xscale="log",
+        )
+    finally:
+        staged.close()
+        plain.close()
+        shutdown_manager(ns)
+        ray.shutdown()
+    summary.write(args.json)
+
+
+if __name__ == "__main__":
+    main()
