@@ -80,9 +80,10 @@ class Summary:
             }
         )
 
-    def goal(self, goal: str, value: float | str, met: bool | None) -> None:
-        """Record a goal, the measured value it is judged on, and whether it is met."""
-        self.goals.append({"goal": goal, "value": value, "met": met})
+    def goal(self, goal: str, value: float | str, met: bool | None, noisy: bool = False) -> None:
+        """Record a goal, the measured value it is judged on, and whether it is met
+        (`noisy`: the baseline's spread is wider than the gap, so neither can be said)."""
+        self.goals.append({"goal": goal, "value": value, "met": met, "noisy": noisy})
 
     def plot(
         self,

@@ -15,8 +15,8 @@ same machine; each is reported as min / median / max over the repeats:
 * `retrieve` into a preallocated destination, against one trivial async-actor round
   trip plus one memcpy of the bytes. Goal: baseline / retrieve >= 0.8.
 
-A goal is "noisy" when the baseline's own spread (max/min) is wider than the gap
-between the figure and the goal.
+A goal is "noisy" when the baseline's own spread (its interquartile range over its
+median) is wider than the gap between the figure and the goal.
 """
 
 from __future__ import annotations
@@ -36,6 +36,19 @@ import raykv
 from benchmarks._util import Summary
 from raykv.actors.storage_manager import shutdown_manager
 
+TITLE = "Client data path: store and retrieve against memcpy"
+NOTES = """\
+Hand-written analysis of the run recorded here (2 cores, the machine otherwise quiet).
+
+A staged store (`store_staging_size` > 0) blocks the caller for one copy into the
+staging ring plus the key hashing and checks: near memcpy from 32 MiB on, with a fixed
+~0.5 ms on top that shows at 8 MiB. The synchronous store waits for `ray.put` (about
+1-2 GB/s here) and the manager, 10-20x a memcpy. `retrieve` pays two round trips
+(the manager's `get`, then the owner of the batch objects, the CPU store, when the
+client resolves their refs) on top of the copy, so it nears the RTT + memcpy ideal
+only as the copy grows.
+"""
+
 LAYERS, HIDDEN = 8, 1024  # 32 KiB of fp16 K+V per token
 CHUNK = 256
 SIZES_MIB = (8, 32, 128)
@@ -48,7 +61,11 @@ class Ping:
 
 
 def spread(times: list[float]) -> dict[str, float]:
-    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
+    """min / median / max, and `iqr`: the middle half's width relative to the median (the
+    noise measure: one stray repeat on a shared 2-core box must not hide a clear gap)."""
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    med = statistics.median(times)
+    return {"min": min(times), "median": med, "max": max(times), "iqr": (q3 - q1) / med}
 
 
 def interleave(
@@ -77,9 +94,9 @@ def tokens_for(n_tokens: int) -> np.ndarray:
 def judge(summary: Summary, goal: str, ratio: float, limit: float, higher: bool, noise: float):
     gap = abs(ratio - limit) / limit
     met = ratio >= limit if higher else ratio <= limit
-    verdict: bool | None = met if gap > noise else None  # None: the runner shows "noisy"
-    summary.goal(goal, round(ratio, 3), verdict)
-    return verdict
+    noisy = gap <= noise
+    summary.goal(goal, round(ratio, 3), None if noisy else met, noisy)
+    return met
 
 
 def main() -> None:
@@ -131,8 +148,9 @@ def main() -> None:
                 store_staged, memcpy, reps, between=lambda: staged.flush(60)
             )
             t_sync, t_copy2 = interleave(store_plain, memcpy, reps)
-            # retrieve: of a stored prompt, into a preallocated destination
-            held = prompts[0]
+            # retrieve: of a prompt stored just now, into a preallocated destination
+            held = tokens_for(n_tokens)
+            assert staged.store(held, kv) == n_tokens
             dest = torch.empty_like(kv)
             assert staged.lookup(held) == n_tokens
 
@@ -181,8 +199,7 @@ def main() -> None:
                 "one actor round trip + memcpy",
                 gb / i["median"],
             )
-            noise_c = c["max"] / c["min"] - 1
-            noise_i = i["max"] / i["min"] - 1
+            noise_c, noise_i = c["iqr"], i["iqr"]
             judge(
                 summary,
                 f"staged store {mib} MiB blocks <= 1.5x memcpy",

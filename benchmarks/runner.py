@@ -73,6 +73,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("ttft", "benchmarks.bench_ttft", 480, 2400),
     Spec("cluster", "benchmarks.bench_cluster", 480, 2400),
     Spec("peer", "benchmarks.bench_peer", 300, 900),
+    Spec("datapath", "benchmarks.bench_datapath", 300, 900),
     Spec("vllm", "benchmarks.bench_vllm", 900, 2400),
 )
 
@@ -301,8 +302,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
-def met_text(met: object) -> str:
-    """How a goal's `met` value reads in a table."""
+def met_text(met: object, noisy: bool = False) -> str:
+    """How a goal's `met` value reads in a table; "noisy" when the benchmark found the
+    baseline's own spread wider than the gap between the figure and the goal."""
+    if noisy:
+        return "noisy"
     return {True: "met", False: "**missed**"}.get(met, "n/a")  # type: ignore[call-overload]
 
 
@@ -324,7 +328,8 @@ def goal_rows(outcomes: Sequence[Outcome]) -> list[list[object]]:
     rows: list[list[object]] = []
     for o in outcomes:
         for g in (o.summary or {}).get("goals", []):
-            rows.append([o.name, g.get("goal"), g.get("value"), met_text(g.get("met"))])
+            met = met_text(g.get("met"), bool(g.get("noisy")))
+            rows.append([o.name, g.get("goal"), g.get("value"), met])
     return rows
 
 

@@ -222,3 +222,15 @@ def test_other_subcommands_still_reject_unknown_options() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["config", "show", "--no-such-option"])
     assert exc.value.code == 2
+
+
+def test_a_goal_the_benchmark_marked_noisy_reads_noisy_not_met_or_missed() -> None:
+    assert runner.met_text(True) == "met" and runner.met_text(False) == "**missed**"
+    assert runner.met_text(None) == "n/a"
+    assert runner.met_text(None, noisy=True) == "noisy"
+    outcome = runner.Outcome.__new__(runner.Outcome)
+    outcome.name, outcome.summary = (
+        "datapath",
+        {"goals": [{"goal": "g", "value": 1.4, "met": None, "noisy": True}]},
+    )
+    assert runner.goal_rows([outcome]) == [["datapath", "g", 1.4, "noisy"]]
