@@ -123,7 +123,7 @@ class KVCache:
         self._check_geometry(kv.shape[1], kv.shape[3], what)
 
     def _check_source(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> None:
-        """The checks of `_payloads`, without producing the buffers."""
+        """Check a store's KV against the prompt and this cache's layout (before any copy)."""
         if isinstance(kv, KVTarget):
             self._check_destination(kv, n_tokens)
         elif isinstance(kv, torch.Tensor):
@@ -153,9 +153,8 @@ class KVCache:
         self, region: np.ndarray, kv: KVSource, spans: list[ChunkSpan], metas: list[PayloadMeta]
     ) -> None:
         """Copy the chunks of `kv` (checked) into `region`, back to back in span order."""
-        if isinstance(kv, KVTarget):
-            buffers = [b for b, _ in kv.connector.to_buffers(kv.buffers, spans, kv.slot_mapping)]
-            copy_buffers(region, buffers)
+        if isinstance(kv, KVTarget):  # the connector gathers into new buffers: copy those
+            copy_buffers(region, self._payloads(kv, spans))
             return
         off = 0
         for j, (span, meta) in enumerate(zip(spans, metas, strict=True)):
@@ -194,15 +193,12 @@ class KVCache:
             if not self._stager.drain(self._lookup_timeout * 4 if timeout is None else timeout):
                 logger.warning("raykv: staged stores still in flight; this call may miss them")
 
-    def _payloads(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> list[np.ndarray]:
-        """Flat uint8 buffers of the chunks, in span order, validated against the layout."""
+    def _payloads(self, kv: KVSource, spans: list[ChunkSpan]) -> list[np.ndarray]:
+        """Flat uint8 buffers of the chunks of a checked `kv` (`_check_source`), in span order."""
         if isinstance(kv, KVTarget):
-            self._check_destination(kv, n_tokens)
             return [buf for buf, _ in kv.connector.to_buffers(kv.buffers, spans, kv.slot_mapping)]
         if isinstance(kv, torch.Tensor):
-            self._check_kv_tensor(kv, n_tokens, "kv")
             return [tensor_to_buffer(kv[:, :, s.start : s.end, :])[0] for s in spans]
-        self._check_chunks(kv, spans)
         return [tensor_to_buffer(chunk)[0] for chunk in kv]
 
     # ----- manager calls: a fault is a miss -----
@@ -263,9 +259,9 @@ class KVCache:
         # keep them at least as recent as the new chunks, so eviction stays prefix-closed.
         every = self.spans(tokens) if mask is not None else spans
         prefix = [s.key for s in every[: len(every) - len(spans)]]
+        self._check_source(kv, spans, n_tokens)
+        metas = [self._meta(span) for span in spans]
         if self._stager is not None:
-            self._check_source(kv, spans, n_tokens)
-            metas = [self._meta(span) for span in spans]
             nbytes = sum(m.nbytes for m in metas)
             if nbytes <= self._stager.ring.capacity:
                 fill = lambda region: self._fill(region, kv, spans, metas)  # noqa: E731
@@ -277,9 +273,7 @@ class KVCache:
                 nbytes,
                 self._stager.ring.capacity,
             )
-        arrays = self._payloads(kv, spans, n_tokens)
-        metas = [self._meta(span) for span in spans]
-        held = self._put(spans, arrays, metas, priority, prefix)
+        held = self._put(spans, self._payloads(kv, spans), metas, priority, prefix)
         return sum(s.end - s.start for s in spans[:held])
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:

@@ -40,7 +40,7 @@ class StagingRing:
         self._buf: np.ndarray | None = None
         self._head = 0  # start of the oldest region in use
         self._tail = 0  # where the next region starts
-        self._used = 0  # bytes in use, padding at the wrap included
+        self._used = 0  # bytes held by regions, padding skipped at a wrap included (stats)
         self._regions: deque[tuple[int, int]] = deque()  # (start, bytes incl. padding)
         self._lock = threading.Lock()
 
@@ -54,15 +54,17 @@ class StagingRing:
         with self._lock:
             if self._buf is None:
                 self._buf = np.empty(self.capacity, dtype=np.uint8)
+            if size > self.capacity:
+                return None
             start, pad = self._tail, 0
-            if self._used and self._tail <= self._head:  # wrapped: room only up to the head
+            if self._regions and self._tail <= self._head:  # wrapped: room up to the head
                 fits = self._head - self._tail >= size
             elif start + size <= self.capacity:
                 fits = True
-            else:  # no room at the end: skip to the front, if the front is free enough
+            else:  # no room at the end: skip to the front (something is in use: head > 0)
                 pad, start = self.capacity - start, 0
-                fits = self._head >= size or not self._used
-            if not fits or self._used + pad + size > self.capacity:
+                fits = self._head >= size
+            if not fits:
                 return None
             self._tail = (start + size) % self.capacity
             self._used += pad + size
