@@ -66,8 +66,10 @@ class Summary:
         unit: str,
         baseline: str = "",
         baseline_value: float | None = None,
+        value_range: tuple[float, float] | None = None,
     ) -> None:
-        """Record one figure and (optionally) its baseline from the same run."""
+        """Record one figure (a median; `value_range`: its min and max over the repeats)
+        and, optionally, its baseline from the same run."""
         ratio = value / baseline_value if baseline_value else None
         self.rows.append(
             {
@@ -77,6 +79,7 @@ class Summary:
                 "baseline": baseline,
                 "baseline_value": baseline_value,
                 "ratio": ratio,
+                "range": list(value_range) if value_range else None,
             }
         )
 
@@ -120,6 +123,45 @@ class Summary:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         doc = {"rows": self.rows, "goals": self.goals, "plots": self.plots}
         Path(path).write_text(json.dumps(doc, indent=2, default=float))
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """min / median / max, and `iqr`: the middle half's width relative to the median (the
+    noise measure: one stray repeat on a shared 2-core box must not hide a clear gap)."""
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    med = statistics.median(times)
+    return {"min": min(times), "median": med, "max": max(times), "iqr": (q3 - q1) / med}
+
+
+def interleave(
+    fn: Callable[[int], object], base: Callable[[int], object], reps: int, between=None
+) -> tuple[list[float], list[float]]:
+    """Times of `fn(i)` and `base(i)`, alternating which goes first; `between` untimed."""
+    fn(-1), base(-1)
+    if between:
+        between()
+    a, b = [], []
+    for i in range(reps):
+        order = ((fn, a), (base, b)) if i % 2 == 0 else ((base, b), (fn, a))
+        for f, out in order:
+            t0 = time.perf_counter()
+            f(i)
+            out.append(time.perf_counter() - t0)
+            if between:
+                between()
+    return a, b
+
+
+def judge(
+    summary: Summary, goal: str, ratio: float, limit: float, higher: bool, noise: float
+) -> bool:
+    """Record `goal` (ratio vs limit); "noisy" instead of met/missed when the gap to the
+    limit is within `noise` (the baseline's relative interquartile range)."""
+    gap = abs(ratio - limit) / limit
+    met = ratio >= limit if higher else ratio <= limit
+    noisy = gap <= noise
+    summary.goal(goal, round(ratio, 3), None if noisy else met, noisy)
+    return met
 
 
 def redis_server_class() -> type:

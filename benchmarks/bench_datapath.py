@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 import uuid
-from collections.abc import Callable
 
 import numpy as np
 import ray
 import torch
 
 import raykv
-from benchmarks._util import Summary
+from benchmarks._util import Summary, interleave, judge, spread
 from raykv.actors.storage_manager import shutdown_manager
 
 TITLE = "Client data path: store and retrieve against memcpy"
@@ -60,43 +57,8 @@ class Ping:
         return None
 
 
-def spread(times: list[float]) -> dict[str, float]:
-    """min / median / max, and `iqr`: the middle half's width relative to the median (the
-    noise measure: one stray repeat on a shared 2-core box must not hide a clear gap)."""
-    q1, _, q3 = statistics.quantiles(times, n=4)
-    med = statistics.median(times)
-    return {"min": min(times), "median": med, "max": max(times), "iqr": (q3 - q1) / med}
-
-
-def interleave(
-    fn: Callable[[int], object], base: Callable[[int], object], reps: int, between=None
-) -> tuple[list[float], list[float]]:
-    """Times of `fn(i)` and `base(i)`, alternating which goes first; `between` untimed."""
-    fn(-1), base(-1)
-    if between:
-        between()
-    a, b = [], []
-    for i in range(reps):
-        order = ((fn, a), (base, b)) if i % 2 == 0 else ((base, b), (fn, a))
-        for f, out in order:
-            t0 = time.perf_counter()
-            f(i)
-            out.append(time.perf_counter() - t0)
-            if between:
-                between()
-    return a, b
-
-
 def tokens_for(n_tokens: int) -> np.ndarray:
     return np.random.default_rng(uuid.uuid4().int % 2**32).integers(0, 30_000, n_tokens)
-
-
-def judge(summary: Summary, goal: str, ratio: float, limit: float, higher: bool, noise: float):
-    gap = abs(ratio - limit) / limit
-    met = ratio >= limit if higher else ratio <= limit
-    noisy = gap <= noise
-    summary.goal(goal, round(ratio, 3), None if noisy else met, noisy)
-    return met
 
 
 def main() -> None:

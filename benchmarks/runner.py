@@ -343,6 +343,7 @@ def figure_rows(outcomes: Sequence[Outcome]) -> list[list[object]]:
                     o.name,
                     r.get("name"),
                     r.get("value"),
+                    value_range(r.get("range")),
                     r.get("unit", ""),
                     r.get("baseline") or "-",
                     r.get("baseline_value"),
@@ -352,11 +353,19 @@ def figure_rows(outcomes: Sequence[Outcome]) -> list[list[object]]:
     return rows
 
 
+def value_range(pair: object) -> str:
+    """A figure's min-max over its repeats, where the benchmark recorded them."""
+    if isinstance(pair, list) and len(pair) == 2:
+        return f"{fmt(pair[0])}-{fmt(pair[1])}"
+    return "-"
+
+
 GOAL_HEADERS = ["benchmark", "goal", "value", "met"]
 FIGURE_HEADERS = [
     "benchmark",
     "figure",
     "value",
+    "min-max",
     "unit",
     "baseline (same run)",
     "baseline",

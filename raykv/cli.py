@@ -11,19 +11,24 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Modules that contribute subcommands (their optional dependencies import lazily).
-_SUBCOMMAND_MODULES = ("raykv.config", "raykv.simulate", "raykv.stats_cli")
+# Subcommand -> the module that registers it (imported only when needed).
+_SUBCOMMANDS = {"config": "raykv.config", "simulate": "raykv.simulate", "stats": "raykv.stats_cli"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every registered subcommand."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser with every subcommand, or just ``only``.
+
+    Registering one subcommand keeps a run from importing the others'
+    dependencies (yaml, the key hasher); help and errors list them all.
+    """
     from raykv import __version__
 
     parser = argparse.ArgumentParser(prog="raykv", description="raykv: a tiered KV cache on Ray.")
     parser.add_argument("--version", action="version", version=f"raykv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for command, module in _SUBCOMMANDS.items():
+        if only is None or command == only:
+            importlib.import_module(module).register(subparsers)
     return parser
 
 
@@ -35,8 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"raykv {__version__}")
         return 0
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    first = args_in[0] if args_in else None
+    parser = build_parser(first if first in _SUBCOMMANDS else None)
+    args = parser.parse_args(args_in)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

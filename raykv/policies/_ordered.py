@@ -39,7 +39,10 @@ class OrderedPolicy(BasePolicy):
     def evict(
         self, n: int, can_evict: CanEvict | None = None, *, incoming: Key | None = None
     ) -> list:
-        return take(self._order, n, can_evict, newest=self.evict_newest)
+        order = self._order
+        if n == 1 and can_evict is None and order:  # a store's usual call
+            return [order.popitem(self.evict_newest)[0]]
+        return take(order, n, can_evict, newest=self.evict_newest)
 
     def clear(self) -> None:
         self._order.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from raykv.policies.base import BasePolicy, CanEvict, Key
 
@@ -140,6 +141,83 @@ class ARCPolicy(BasePolicy):
         elif overfull:
             self._trim()
         return victims
+
+    def simulate(self, ids: Iterable[Key]) -> int:
+        # replay() inlined. With no pins and one miss at a time, evict(1, incoming=key)
+        # then insert(key) reduces to the paper's cases II-IV below. After the fill,
+        # |T1|+|T2| == c and each case keeps |T1|+|B1| <= c and the total <= 2c, so
+        # the trimming that insert() does never fires here.
+        t1: OrderedDict = OrderedDict()
+        t2: OrderedDict = OrderedDict()
+        b1: OrderedDict = OrderedDict()
+        b2: OrderedDict = OrderedDict()
+        t2_move = t2.move_to_end
+        t1_pop, t2_pop, b1_pop, b2_pop = t1.popitem, t2.popitem, b1.popitem, b2.popitem
+        c, p, misses = self.capacity, 0.0, 0
+        cf = float(c)
+        it = iter(ids)
+        for key in it:  # fill: nothing is evicted, the ghosts stay empty
+            if key in t2:
+                t2_move(key)
+            elif t1.pop(key, False) is None:
+                t2[key] = None
+            else:
+                misses += 1
+                t1[key] = None
+                if misses == c:
+                    break
+        # From here on |T1| + |T2| == c: every miss makes room for exactly one key.
+        for key in it:
+            if key in t2:
+                t2_move(key)
+                continue
+            if t1.pop(key, False) is None:
+                t2[key] = None
+                continue
+            misses += 1
+            n1 = len(t1)
+            if b1.pop(key, False) is None:  # case II: grow T1's target, REPLACE, key to T2
+                nb1 = len(b1) + 1
+                p = min(cf, p + max(len(b2) / nb1, 1.0))
+                if n1 and n1 > p or not t2:
+                    b1[t1_pop(False)[0]] = None
+                else:
+                    b2[t2_pop(False)[0]] = None
+                t2[key] = None
+                continue
+            if b2.pop(key, False) is None:  # case III
+                nb2 = len(b2) + 1
+                p = max(0.0, p - max(len(b1) / nb2, 1.0))
+                if n1 and n1 >= p or not t2:
+                    b1[t1_pop(False)[0]] = None
+                else:
+                    b2[t2_pop(False)[0]] = None
+                t2[key] = None
+                continue
+            nb1 = len(b1)
+            if n1 + nb1 >= c:
+                if n1 >= c:
+                    t1_pop(False)
+                else:
+                    if n1 > p or not t2:
+                        b1[t1_pop(False)[0]] = None
+                    else:
+                        b2[t2_pop(False)[0]] = None
+                    b1_pop(False)
+            else:
+                nb2 = len(b2)
+                if nb2 and nb1 + nb2 >= c:
+                    if n1 and n1 > p or not t2:
+                        b1[t1_pop(False)[0]] = None
+                    else:
+                        b2[t2_pop(False)[0]] = None
+                    b2_pop(False)
+                elif n1 and n1 > p or not t2:
+                    b1[t1_pop(False)[0]] = None
+                else:
+                    b2[t2_pop(False)[0]] = None
+            t1[key] = None
+        return misses
 
     def clear(self) -> None:
         for order in (self._t1, self._t2, self._b1, self._b2):

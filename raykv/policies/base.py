@@ -109,18 +109,23 @@ class BasePolicy:
 
 
 def replay(policy: Policy, ids: Iterable[Key]) -> int:
-    """Drive ``policy`` through its protocol methods, as the simulator does; return misses."""
-    misses = 0
-    cap = policy.capacity
+    """Drive ``policy`` through its protocol methods, as the simulator does; return misses.
+
+    The size is tracked from the protocol's own guarantees (an insert of an
+    absent key adds it, ``evict`` returns what it removed) rather than asked
+    with ``len`` on every miss.
+    """
+    contains, touch, evict, insert = policy.__contains__, policy.touch, policy.evict, policy.insert
+    misses, size, cap = 0, len(policy), policy.capacity
     for key in ids:
-        if key in policy:
-            policy.touch(key)
+        if contains(key):
+            touch(key)
             continue
         misses += 1
-        over = len(policy) - cap + 1
-        if over > 0:
-            policy.evict(over, None, incoming=key)
-        policy.insert(key)
+        if size >= cap:
+            size -= len(evict(size - cap + 1, None, incoming=key))
+        insert(key)
+        size += 1
     return misses
 
 

@@ -19,6 +19,9 @@ class FIFOPolicy(OrderedPolicy):
     reorder_on_hit = False
     evict_newest = False
 
+    def touch(self, key: Key) -> None:
+        pass  # a hit changes nothing
+
     def simulate(self, ids: Iterable[Key]) -> int:
         cached: set = set()
         queue: deque = deque()

@@ -74,32 +74,29 @@ class LFUPolicy(BasePolicy):
         return key in self._freq
 
     def simulate(self, ids: Iterable[Key]) -> int:
-        # Classic O(1) LFU: the minimum frequency only drops to 1 on insert.
+        # Classic O(1) LFU: the minimum frequency only drops to 1 on insert. Buckets
+        # are a list indexed by frequency (empty ones are kept): cheaper than a dict.
         freq: dict = {}
-        buckets: dict = {}
-        cap, misses, low = self.capacity, 0, 1
+        get = freq.get
+        buckets: list = [None, OrderedDict()]
+        grow = buckets.append
+        cap, misses, low, top = self.capacity, 0, 1, 1
         for key in ids:
-            f = freq.get(key)
+            f = get(key)
             if f is None:
                 misses += 1
-                if len(freq) >= cap:
-                    bucket = buckets[low]
-                    victim = bucket.popitem(False)[0]
-                    del freq[victim]
-                    if not bucket:
-                        del buckets[low]
-                f, low = 0, 1
+                if misses > cap:  # full: each miss past the first `cap` evicts one
+                    del freq[buckets[low].popitem(False)[0]]
+                low = f = 1
             else:
                 bucket = buckets[f]
                 del bucket[key]
-                if not bucket:
-                    del buckets[f]
-                    if low == f:
-                        low = f + 1
-            f += 1
+                if f == low and not bucket:
+                    low = f + 1
+                f += 1
+                if f > top:
+                    grow(OrderedDict())
+                    top = f
             freq[key] = f
-            bucket = buckets.get(f)
-            if bucket is None:
-                bucket = buckets[f] = OrderedDict()
-            bucket[key] = None
+            buckets[f][key] = None
         return misses

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from sortedcontainers import SortedDict
 
 from raykv.errors import ConfigError, InvalidInputError
 from raykv.policies.base import BasePolicy, CanEvict, Key, pick
+from raykv.policies.lru import lru_misses
 
 
 def _valid(priority: object) -> bool:
@@ -79,6 +81,11 @@ class PriorityPolicy(BasePolicy):
         for key in victims:
             self.remove(key)
         return victims
+
+    def simulate(self, ids: Iterable[Key]) -> int:
+        # A trace carries no priorities: every key sits at the default level, which
+        # is ordered LRU, so the miss count is LRU's.
+        return lru_misses(ids, self.capacity)
 
     def clear(self) -> None:
         self._level.clear()

@@ -48,7 +48,9 @@ class S3FIFOPolicy(BasePolicy):
         self._small_cap = max(1, int(capacity * small_ratio))
         self._main_cap = capacity - self._small_cap
         self._ghost_cap = int(capacity * ghost_ratio)
-        # small and main: key -> frequency; ghost: ids. All oldest first.
+        # Every cached key's 2-bit frequency (membership too); small, main and the
+        # ghost only keep order, oldest first.
+        self._freq: dict = {}
         self._small, self._main, self._ghost = OrderedDict(), OrderedDict(), OrderedDict()
         self._returning: Key | None = None  # taken out of the ghost by evict(incoming=)
 
@@ -60,51 +62,60 @@ class S3FIFOPolicy(BasePolicy):
             self._ghost.popitem(last=False)
 
     def insert(self, key: Key, priority: float | None = None) -> None:
-        if key in self:
-            self.touch(key)
+        freq = self._freq
+        f = freq.get(key)
+        if f is not None:  # cached: a hit
+            if f < 3:
+                freq[key] = f + 1
             return
         returning, self._returning = self._returning, None
+        freq[key] = 0
         if key == returning or self._ghost.pop(key, False) is None:
-            self._main[key] = 0
+            self._main[key] = None
         else:
-            self._small[key] = 0
-        self._trim_ghost()
+            self._small[key] = None
+        if len(self._ghost) > self._ghost_cap:
+            self._trim_ghost()
 
     def touch(self, key: Key) -> None:
-        for queue in (self._small, self._main):
-            freq = queue.get(key)
-            if freq is not None:
-                if freq < 3:
-                    queue[key] = freq + 1
-                return
+        freq = self._freq
+        f = freq.get(key)
+        if f is not None and f < 3:
+            freq[key] = f + 1
 
     def remove(self, key: Key) -> None:
-        if self._small.pop(key, None) is None:
-            self._main.pop(key, None)
+        if self._freq.pop(key, None) is not None and self._small.pop(key, False) is not None:
+            del self._main[key]
 
     def _evict_small(self, ok: CanEvict, held: list) -> Key | None:
-        small = self._small
+        small, freq = self._small, self._freq
         while small:
-            key, freq = small.popitem(last=False)
+            key = small.popitem(last=False)[0]
             if not ok(key):
-                held.append((key, freq))
-            elif freq >= self.move_threshold:
-                self._main[key] = 0
+                held.append((key, None))
+            elif freq[key] >= self.move_threshold:
+                self._main[key] = None
+                freq[key] = 0
             else:
+                del freq[key]
                 if self._ghost_cap:
                     self._ghost[key] = None
                 return key
         return None
 
     def _evict_main(self, ok: CanEvict, held: list) -> Key | None:
-        main = self._main
+        main, freq = self._main, self._freq
         while main:
-            key, freq = main.popitem(last=False)
+            key = main.popitem(last=False)[0]
             if not ok(key):
-                held.append((key, freq))
-            elif freq:
-                main[key] = freq - 1
+                held.append((key, None))
+                continue
+            f = freq[key]
+            if f:
+                main[key] = None
+                freq[key] = f - 1
             else:
+                del freq[key]
                 return key
         return None
 
@@ -113,40 +124,78 @@ class S3FIFOPolicy(BasePolicy):
     ) -> list:
         if n <= 0:
             return []
-        ok = can_evict or _always
-        ghosts = len(self._ghost)
+        ghost = self._ghost
+        ghosts = len(ghost)
+        freq = self._freq
+        if n == 1 and can_evict is None and freq:
+            # A store's usual call, nothing pinned: _evict_some inlined without the
+            # bookkeeping for held keys (this is the hot path of every miss).
+            small, main = self._small, self._main
+            victim = None
+            while victim is None:
+                if main and (len(main) > self._main_cap or not small):
+                    while True:  # frequencies only drop here, so a victim comes
+                        key = main.popitem(False)[0]
+                        f = freq[key]
+                        if not f:
+                            del freq[key]
+                            victim = key
+                            break
+                        main[key] = None
+                        freq[key] = f - 1
+                else:
+                    while small:
+                        key = small.popitem(False)[0]
+                        if freq[key] >= self.move_threshold:
+                            main[key] = None
+                            freq[key] = 0
+                        else:
+                            del freq[key]
+                            if self._ghost_cap:
+                                ghost[key] = None
+                            victim = key
+                            break
+            victims = [victim]
+        else:
+            victims = self._evict_some(n, can_evict or _always)
+        if victims:  # else nothing changed, the ghost included
+            if incoming is None:  # the next insert's key may be in the new slack
+                self._trim_ghost(len(ghost) - ghosts)
+            else:
+                if ghost.pop(incoming, False) is None:
+                    self._returning = incoming
+                if len(ghost) > self._ghost_cap:
+                    ghost.popitem(False)
+                    if len(ghost) > self._ghost_cap:
+                        self._trim_ghost()
+        return victims
+
+    def _evict_some(self, n: int, ok: CanEvict) -> list:
+        small, main = self._small, self._main
         victims: list = []
         held_small: list = []  # pinned keys set aside, put back in place below
         held_main: list = []
-        while len(victims) < n and (self._small or self._main):
-            in_main = len(self._main) + len(held_main)
-            if self._main and (in_main > self._main_cap or not self._small):
+        while len(victims) < n and (small or main):
+            if main and (len(main) + len(held_main) > self._main_cap or not small):
                 victim = self._evict_main(ok, held_main)
             else:
                 victim = self._evict_small(ok, held_small)
             if victim is not None:
                 victims.append(victim)
-        restore_front(self._small, held_small)
-        restore_front(self._main, held_main)
-        if victims:  # else nothing changed, the ghost included
-            if incoming is None:  # the next insert's key may be in the new slack
-                self._trim_ghost(len(self._ghost) - ghosts)
-            else:
-                if self._ghost.pop(incoming, False) is None:
-                    self._returning = incoming
-                self._trim_ghost()
+        restore_front(small, held_small)
+        restore_front(main, held_main)
         return victims
 
     def clear(self) -> None:
-        for queue in (self._small, self._main, self._ghost):
+        for queue in (self._freq, self._small, self._main, self._ghost):
             queue.clear()
         self._returning = None
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main)
+        return len(self._freq)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._small or key in self._main
+        return key in self._freq
 
     def simulate(self, ids: Iterable[Key]) -> int:
         # replay() inlined on deques (no pins, no removal): ~2x faster than driving

@@ -111,35 +111,48 @@ class SIEVEPolicy(BasePolicy):
         return key in self._pos
 
     def simulate(self, ids: Iterable[Key]) -> int:
+        # The queue holds keys oldest first (None where one was evicted) and the hand
+        # walks it towards the newest; past the newest it compacts and restarts at the
+        # oldest. The fill phase (no eviction) runs in its own loop to keep the steady
+        # state loop short.
         visited: dict = {}
         queue: list = []
         push = queue.append
-        cap, size, misses, hand = self.capacity, 0, 0, 0
-        for key in ids:
+        cap, misses, hand = self.capacity, 0, 0
+        it = iter(ids)
+        for key in it:
             if key in visited:
                 visited[key] = 1
                 continue
             misses += 1
-            if size >= cap:
-                while True:
-                    if hand == len(queue):
-                        queue = [k for k in queue if k is not None]
-                        push, hand = queue.append, 0
+            push(key)
+            visited[key] = 0
+            if misses == cap:
+                break
+        for key in it:
+            if key in visited:
+                visited[key] = 1
+                continue
+            misses += 1
+            while True:
+                try:
                     victim = queue[hand]
-                    hand += 1
-                    if victim is None:
-                        continue
-                    if visited[victim]:
-                        visited[victim] = 0
-                    else:
-                        queue[hand - 1] = None
-                        del visited[victim]
-                        break
-                if hand == len(queue):
+                except IndexError:  # the hand passed the newest key
                     queue = [k for k in queue if k is not None]
                     push, hand = queue.append, 0
-            else:
-                size += 1
+                    victim = queue[0]
+                hand += 1
+                if victim is None:
+                    continue
+                if visited[victim]:
+                    visited[victim] = 0
+                else:
+                    queue[hand - 1] = None
+                    del visited[victim]
+                    break
+            if hand == len(queue):  # restart at the oldest before the new key goes in
+                queue = [k for k in queue if k is not None]
+                push, hand = queue.append, 0
             push(key)
             visited[key] = 0
         return misses

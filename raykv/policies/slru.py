@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from raykv.errors import ConfigError
-from raykv.policies.base import BasePolicy, CanEvict, Key, pick
+from raykv.policies.base import BasePolicy, CanEvict, Key, pick, replay
 
 
 class SLRUPolicy(BasePolicy):
@@ -89,6 +89,35 @@ class SLRUPolicy(BasePolicy):
         for key in victims:
             self.remove(key)
         return victims
+
+    def simulate(self, ids: Iterable[Key]) -> int:
+        if len(self._caps) != 2:  # the general case drives the protocol
+            return replay(self.fresh(), ids)
+        # replay() inlined for the usual probation + protected pair.
+        prob: OrderedDict = OrderedDict()
+        prot: OrderedDict = OrderedDict()
+        prot_move, prot_pop = prot.move_to_end, prot.popitem
+        prob_cap, prot_cap = self._caps
+        cap, size, misses, warm = self.capacity, 0, 0, self.warm_fill
+        for key in ids:
+            if key in prot:
+                prot_move(key)
+                continue
+            if prob.pop(key, False) is None:  # a probation hit: promote, maybe demote
+                prot[key] = None
+                if len(prot) > prot_cap:
+                    prob[prot_pop(False)[0]] = None
+                continue
+            misses += 1
+            if size >= cap:
+                (prob or prot).popitem(False)
+            else:
+                size += 1
+            if warm and len(prob) >= prob_cap and len(prot) < prot_cap:
+                prot[key] = None
+            else:
+                prob[key] = None
+        return misses
 
     def clear(self) -> None:
         for seg in self._segs:

@@ -79,3 +79,12 @@ def test_protocol_path_matches_libcachesim_too(policy: str) -> None:
         assert replay(make_policy(policy, size, **params), ids) == sub.misses(policy, size)
     finally:
         sub.close()
+
+
+@pytest.mark.parametrize("trace,fraction", CASES)
+def test_priority_without_priorities_is_libcachesim_lru(trace: str, fraction: float) -> None:
+    """Every key at the default level: the order within a level is LRU."""
+    ids, size, lib = _case(trace, fraction)
+    assert make_policy("priority", size).simulate(ids) == lib.misses("lru", size)
+    if trace == "zipf1.0" and fraction == 0.01:  # the protocol path too (slower)
+        assert replay(make_policy("priority", size), ids) == lib.misses("lru", size)

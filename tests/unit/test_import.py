@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
 import pytest
 
 import raykv
+from raykv.cli import main as cli_main
 
 
 def _fresh(code: str) -> str:
@@ -80,3 +83,18 @@ def test_every_public_name_resolves(name):
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         raykv.nope  # noqa: B018
+
+
+def test_a_subcommand_imports_only_its_own_module_and_help_lists_all():
+    code = (
+        "import sys, contextlib, io\n"
+        "from raykv.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['simulate', '--help'])\n"
+        "print(sorted(m for m in ('raykv.config', 'raykv.stats_cli', 'yaml') if m in sys.modules))"
+    )
+    assert _fresh(code) == "[]"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli_main(["--help"])
+    assert all(name in out.getvalue() for name in ("config", "simulate", "stats"))

@@ -149,3 +149,22 @@ def test_fifo_family_cannot_promise_prefix_closure(name: str) -> None:
         if not all(_closed(p, seen) for p in _run_store(name, capacity, reqs)):
             return
     pytest.fail(f"{name} stayed prefix-closed; update the documented guarantee")
+
+
+PARAMETRISED = [
+    ("slru", {"warm_fill": True}),
+    ("slru", {"split": (1, 1, 2)}),
+    ("slru", {"split": (3, 1), "warm_fill": True}),
+    ("s3fifo", {"move_threshold": 1}),
+    ("s3fifo", {"small_ratio": 0.3, "ghost_ratio": 0.0}),
+]
+
+
+@pytest.mark.parametrize("name,params", PARAMETRISED)
+@settings(max_examples=60, deadline=None)
+@given(ids=traces, capacity=st.integers(1, 12))
+def test_fast_path_with_parameters_equals_protocol_replay(
+    name: str, params: dict, ids: list[int], capacity: int
+) -> None:
+    policy = make_policy(name, capacity, **params)
+    assert policy.simulate(ids) == replay(make_policy(name, capacity, **params), ids)

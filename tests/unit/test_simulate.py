@@ -128,3 +128,44 @@ def test_distinct_string_ids_stay_distinct(tmp_path, capsys) -> None:
     assert _cli(["--json", "--size", "10", str(path)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["unique"] == 5 and doc["results"][0]["misses"] == 5
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 1000])
+def test_oracle_reader_matches_numpy_on_full_64_bit_ids(tmp_path, n: int) -> None:
+    """The pure-Python reader takes the id word of each 24-byte record, nothing else."""
+    rng = np.random.default_rng(n)
+    rec = np.zeros(n, dtype=[("t", "<u4"), ("id", "<u8"), ("s", "<u4"), ("n", "<i8")])
+    rec["t"] = rng.integers(0, 2**32, n, dtype=np.uint64)
+    rec["id"] = rng.integers(0, 2**64, n, dtype=np.uint64)
+    rec["s"], rec["n"] = 0xFFFFFFFF, -1
+    path = tmp_path / "t.oracleGeneral"
+    rec.tofile(path)
+    assert simulate.load_trace(str(path)) == rec["id"].tolist()
+
+
+def test_absolute_sizes_skip_the_unique_count_unless_asked(tmp_path, capsys) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("1\n2\n1\n3\n")
+    assert _cli(["--size", "2", str(path)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(": 4 requests")
+    assert _cli(["--size", "50%", str(path)]) == 0
+    assert "4 requests, 3 unique objects" in capsys.readouterr().out
+    assert _cli(["--json", "--size", "2", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["unique"] == 3
+
+
+def test_progress_bar_is_not_imported_when_hidden(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "t.txt"
+    path.write_text("1\n2\n1\n")
+    code = (
+        "import sys; from raykv.cli import main; "
+        f"rc = main(['simulate', '--size', '1', {str(path)!r}]); "
+        "heavy = sorted(m for m in ('tqdm', 'numpy', 'yaml', 'raykv.config', 'raykv.keys') "
+        "if m in sys.modules); print(rc, heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "0 []"
