@@ -255,10 +255,9 @@ def simulator(
         init = LCS[name][0]
         if lcs:
             t_ours, t_base = interleave(ours, lcs_file_run(path, name, size), reps)
-            ratio, _ = record(
+            ratio, b = record(
                 summary, f"{name} simulate (file read)", t_ours, t_base, f"libCacheSim {init}", n
             )
-            b = spread(t_base)
             base_txt = f"{init:>9s} {n / b['median'] / 1e6:5.2f}"
         else:
             t_ours = [_timed(ours) for _ in range(reps)]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import ClassVar
 
 from raykv.policies.base import BasePolicy, CanEvict, Key, take
@@ -44,6 +45,11 @@ class OrderedPolicy(BasePolicy):
             return [order.popitem(self.evict_newest)[0]]
         return take(order, n, can_evict, newest=self.evict_newest)
 
+    def simulate(self, ids: Iterable[Key]) -> int:
+        if self.reorder_on_hit:
+            return recency_misses(ids, self.capacity, self.evict_newest)
+        return insertion_misses(ids, self.capacity, self.evict_newest)
+
     def clear(self) -> None:
         self._order.clear()
 
@@ -52,3 +58,50 @@ class OrderedPolicy(BasePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
+
+
+def recency_misses(ids: Iterable[Key], capacity: int, newest: bool = False) -> int:
+    """Miss count of LRU (``newest=False``) or MRU on a cold cache of ``capacity`` objects.
+
+    The fill phase (no eviction) runs in its own loop so the steady-state loop
+    does no size bookkeeping.
+    """
+    order: OrderedDict = OrderedDict()
+    move, pop = order.move_to_end, order.popitem
+    misses = 0
+    it = iter(ids)
+    for key in it:
+        if key in order:
+            move(key)
+            continue
+        misses += 1
+        order[key] = None
+        if misses == capacity:
+            break
+    for key in it:
+        if key in order:
+            move(key)
+        else:
+            misses += 1
+            pop(newest)
+            order[key] = None
+    return misses
+
+
+def insertion_misses(ids: Iterable[Key], capacity: int, newest: bool = False) -> int:
+    """Miss count of FIFO (``newest=False``) or FILO: hits change nothing."""
+    cached: set = set()
+    queue: deque = deque()
+    add, discard, push = cached.add, cached.discard, queue.append
+    pop = queue.pop if newest else queue.popleft
+    size, misses = 0, 0
+    for key in ids:
+        if key not in cached:
+            misses += 1
+            if size >= capacity:
+                discard(pop())
+            else:
+                size += 1
+            push(key)
+            add(key)
+    return misses

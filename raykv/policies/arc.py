@@ -176,46 +176,32 @@ class ARCPolicy(BasePolicy):
                 continue
             misses += 1
             n1 = len(t1)
-            if b1.pop(key, False) is None:  # case II: grow T1's target, REPLACE, key to T2
-                nb1 = len(b1) + 1
-                p = min(cf, p + max(len(b2) / nb1, 1.0))
+            in_b1 = b1.pop(key, False) is None
+            if in_b1 or b2.pop(key, False) is None:  # cases II/III: adapt, REPLACE, to T2
+                if in_b1:
+                    p = min(cf, p + max(len(b2) / (len(b1) + 1), 1.0))
+                else:
+                    p = max(0.0, p - max(len(b1) / (len(b2) + 1), 1.0))
+                if n1 and (n1 > p or not in_b1 and n1 == p) or not t2:
+                    b1[t1_pop(False)[0]] = None
+                else:
+                    b2[t2_pop(False)[0]] = None
+                t2[key] = None
+                continue
+            # Case IV: T1 filling the cache loses its LRU outright; otherwise REPLACE,
+            # and the ghost bounds (checked before it) decide which ghost drops its LRU.
+            if n1 >= c:
+                t1_pop(False)
+            else:
+                nb1, nb2 = len(b1), len(b2)
                 if n1 and n1 > p or not t2:
                     b1[t1_pop(False)[0]] = None
                 else:
                     b2[t2_pop(False)[0]] = None
-                t2[key] = None
-                continue
-            if b2.pop(key, False) is None:  # case III
-                nb2 = len(b2) + 1
-                p = max(0.0, p - max(len(b1) / nb2, 1.0))
-                if n1 and n1 >= p or not t2:
-                    b1[t1_pop(False)[0]] = None
-                else:
-                    b2[t2_pop(False)[0]] = None
-                t2[key] = None
-                continue
-            nb1 = len(b1)
-            if n1 + nb1 >= c:
-                if n1 >= c:
-                    t1_pop(False)
-                else:
-                    if n1 > p or not t2:
-                        b1[t1_pop(False)[0]] = None
-                    else:
-                        b2[t2_pop(False)[0]] = None
+                if n1 + nb1 >= c:
                     b1_pop(False)
-            else:
-                nb2 = len(b2)
-                if nb2 and nb1 + nb2 >= c:
-                    if n1 and n1 > p or not t2:
-                        b1[t1_pop(False)[0]] = None
-                    else:
-                        b2[t2_pop(False)[0]] = None
+                elif nb2 and nb1 + nb2 >= c:
                     b2_pop(False)
-                elif n1 and n1 > p or not t2:
-                    b1[t1_pop(False)[0]] = None
-                else:
-                    b2[t2_pop(False)[0]] = None
             t1[key] = None
         return misses
 

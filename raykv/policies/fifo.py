@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
-
 from raykv.policies._ordered import OrderedPolicy
 from raykv.policies.base import Key
 
@@ -21,19 +18,3 @@ class FIFOPolicy(OrderedPolicy):
 
     def touch(self, key: Key) -> None:
         pass  # a hit changes nothing
-
-    def simulate(self, ids: Iterable[Key]) -> int:
-        cached: set = set()
-        queue: deque = deque()
-        add, discard, push, pop = cached.add, cached.discard, queue.append, queue.popleft
-        cap, size, misses = self.capacity, 0, 0
-        for key in ids:
-            if key not in cached:
-                misses += 1
-                if size >= cap:
-                    discard(pop())
-                else:
-                    size += 1
-                push(key)
-                add(key)
-        return misses

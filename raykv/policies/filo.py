@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from raykv.policies._ordered import OrderedPolicy
-from raykv.policies.base import Key
 
 
 class FILOPolicy(OrderedPolicy):
@@ -17,19 +14,3 @@ class FILOPolicy(OrderedPolicy):
     name = "filo"
     reorder_on_hit = False
     evict_newest = True
-
-    def simulate(self, ids: Iterable[Key]) -> int:
-        cached: set = set()
-        stack: list = []
-        add, discard, push, pop = cached.add, cached.discard, stack.append, stack.pop
-        cap, size, misses = self.capacity, 0, 0
-        for key in ids:
-            if key not in cached:
-                misses += 1
-                if size >= cap:
-                    discard(pop())  # the newest insertion
-                else:
-                    size += 1
-                push(key)
-                add(key)
-        return misses

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
-
 from raykv.policies._ordered import OrderedPolicy
 from raykv.policies.base import Key
 
@@ -25,34 +22,3 @@ class LRUPolicy(OrderedPolicy):
             self._order.move_to_end(key)
         except KeyError:  # absent: a no-op, as the protocol says
             pass
-
-    def simulate(self, ids: Iterable[Key]) -> int:
-        return lru_misses(ids, self.capacity)
-
-
-def lru_misses(ids: Iterable[Key], capacity: int) -> int:
-    """LRU's miss count of ``ids`` on a cold cache of ``capacity`` objects.
-
-    The fill phase (no eviction) runs in its own loop so the steady-state loop
-    does no size bookkeeping.
-    """
-    order: OrderedDict = OrderedDict()
-    move, pop = order.move_to_end, order.popitem
-    misses = 0
-    it = iter(ids)
-    for key in it:
-        if key in order:
-            move(key)
-            continue
-        misses += 1
-        order[key] = None
-        if misses == capacity:
-            break
-    for key in it:
-        if key in order:
-            move(key)
-        else:
-            misses += 1
-            pop(False)
-            order[key] = None
-    return misses

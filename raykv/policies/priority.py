@@ -11,8 +11,8 @@ from typing import Any
 from sortedcontainers import SortedDict
 
 from raykv.errors import ConfigError, InvalidInputError
+from raykv.policies._ordered import recency_misses
 from raykv.policies.base import BasePolicy, CanEvict, Key, pick
-from raykv.policies.lru import lru_misses
 
 
 def _valid(priority: object) -> bool:
@@ -85,7 +85,7 @@ class PriorityPolicy(BasePolicy):
     def simulate(self, ids: Iterable[Key]) -> int:
         # A trace carries no priorities: every key sits at the default level, which
         # is ordered LRU, so the miss count is LRU's.
-        return lru_misses(ids, self.capacity)
+        return recency_misses(ids, self.capacity)
 
     def clear(self) -> None:
         self._level.clear()

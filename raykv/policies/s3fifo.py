@@ -165,9 +165,7 @@ class S3FIFOPolicy(BasePolicy):
                 if ghost.pop(incoming, False) is None:
                     self._returning = incoming
                 if len(ghost) > self._ghost_cap:
-                    ghost.popitem(False)
-                    if len(ghost) > self._ghost_cap:
-                        self._trim_ghost()
+                    self._trim_ghost()
         return victims
 
     def _evict_some(self, n: int, ok: CanEvict) -> list:
