@@ -3,9 +3,11 @@
 Part 1 moves one request's KV (chunks of 256 tokens) between engine buffers and
 `KV_2LTD` host payloads with `to_payloads` / `from_payloads`, for the paged layout
 (random, non-contiguous blocks) and the contiguous layout, and compares the GB/s
-with plain torch ops on the same bytes: on CPU `index_select` (the same gather) and
-`clone()` (a memcpy); on CUDA `tensor.to("cpu")` / `tensor.to("cuda")` of one
-contiguous tensor of the same size.
+with plain torch ops moving the same bytes, timed alternately (min-max shown): on CPU
+`index_select` (the same gather into fresh tensors, as `to_payloads` allocates its
+payloads) and `index_copy_` (the same scatter into the same preallocated buffers); on
+CUDA one `copy_` of a contiguous tensor of the same size, device -> pinned host and
+host -> device, into preallocated tensors.
 
 Part 2 times a full prefill of prefix + 256-token suffix against a prefill of the
 suffix alone with the prefix KV already in the model's cache: the speedup a cache
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks._util import Summary
+from benchmarks._util import Summary, spread
 from raykv.connector import GPUConnector
 
 CHUNK = 256
@@ -45,19 +47,25 @@ prefill with the prefix KV already in the model's cache, CPU seconds) was 2.8x a
 """
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, sync: bool) -> float:
-    """Median wall time of `fn` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def paired(
+    fn: Callable[[], object], base: Callable[[], object], repeats: int, sync: bool
+) -> tuple[list[float], list[float]]:
+    """Wall times of `fn` and `base`, alternating which goes first (after one warm-up
+    call each), so that both see the same machine."""
+    fn(), base()
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(repeats):
+        pair = ((fn, a), (base, b))
+        for f, out in pair if i % 2 == 0 else pair[::-1]:
+            if sync:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            if sync:
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+    return a, b
 
 
 def bench_connector(args: argparse.Namespace) -> None:
@@ -92,38 +100,53 @@ def bench_connector(args: argparse.Namespace) -> None:
         def load(conn=conn, bufs=bufs, slots=slots, payloads=payloads) -> None:
             conn.from_payloads(payloads, bufs, starts, slots)
 
-        t_store = median_seconds(store, args.repeats, cuda)
-        t_load = median_seconds(load, args.repeats, cuda)
         if cuda:
             dev_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
             host_src = torch.empty(nbytes, dtype=torch.uint8)
-            base_store = median_seconds(lambda: dev_src.to("cpu"), args.repeats, True)
-            base_load = median_seconds(lambda: host_src.to(device), args.repeats, True)
-            names = ("tensor.to('cpu')", "tensor.to('cuda')")
+            host_dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+            dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+            def base_store() -> object:
+                return host_dst.copy_(dev_src)
+
+            def base_load() -> object:
+                return dev_dst.copy_(host_src)
+
+            names = ("one copy_ device -> pinned host", "one copy_ host -> device")
         else:
+            # The same gather (store) and scatter (load) of the same rows with plain
+            # torch ops: index_select into fresh tensors (to_payloads allocates its
+            # payloads too), index_copy_ into the same preallocated buffers.
             flat = [b.view(2, -1, conn.hidden).reshape(-1, conn.hidden) for b in bufs]
             num_slots = flat[0].shape[0] // 2
             rows = slots if slots is not None else torch.arange(tokens)
             both = torch.cat([rows, rows + num_slots])
+            sources = [f.index_select(0, both) for f in flat]
 
-            def gather() -> object:
+            def base_store() -> object:
                 return [f.index_select(0, both) for f in flat]
 
-            same = torch.empty(nbytes // dtype.itemsize, dtype=dtype).normal_()
-            base_store = median_seconds(gather, args.repeats, False)
-            base_load = median_seconds(same.clone, args.repeats, False)
-            names = ("index_select", "clone()")
+            def base_load() -> None:
+                for f, src in zip(flat, sources, strict=True):
+                    f.index_copy_(0, both, src)
+
+            names = ("index_select (same gather)", "index_copy_ into the same buffers")
         gb = nbytes / 1e9
-        SUMMARY.row(f"{layout} to_payloads", gb / t_store, "GB/s", names[0], gb / base_store)
-        SUMMARY.row(f"{layout} from_payloads", gb / t_load, "GB/s", names[1], gb / base_load)
-        print(
-            f"{layout:>10} to_payloads   {gb / t_store:6.2f} GB/s ({t_store * 1e3:7.2f} ms)   "
-            f"{names[0]:>16} {gb / base_store:6.2f} GB/s   ratio {base_store / t_store:.2f}"
-        )
-        print(
-            f"{layout:>10} from_payloads {gb / t_load:6.2f} GB/s ({t_load * 1e3:7.2f} ms)   "
-            f"{names[1]:>16} {gb / base_load:6.2f} GB/s   ratio {base_load / t_load:.2f}"
-        )
+        for what, fn, base, base_name in (
+            ("to_payloads", store, base_store, names[0]),
+            ("from_payloads", load, base_load, names[1]),
+        ):
+            ours, theirs = paired(fn, base, args.repeats, cuda)
+            o, b = spread(ours), spread(theirs)
+            rng = (gb / o["max"], gb / o["min"])
+            SUMMARY.row(
+                f"{layout} {what}", gb / o["median"], "GB/s", base_name, gb / b["median"], rng
+            )
+            print(
+                f"{layout:>10} {what:<13} {gb / o['median']:6.2f} GB/s "
+                f"[{rng[0]:.2f}-{rng[1]:.2f}]   {base_name:>34} {gb / b['median']:6.2f} GB/s"
+                f"   ratio {b['median'] / o['median']:.2f}"
+            )
 
 
 def bench_model(args: argparse.Namespace) -> None:

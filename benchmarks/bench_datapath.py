@@ -15,6 +15,11 @@ same machine; each is reported as min / median / max over the repeats:
 * `retrieve` into a preallocated destination, against one trivial async-actor round
   trip plus one memcpy of the bytes. Goal: baseline / retrieve >= 0.8.
 
+* Ray settings for users who start Ray themselves: `ray.put` GB/s at 8/32/128 MiB,
+  raykv's synchronous `store` of 32 MiB and the time `ray.init` takes, in fresh
+  processes with a 2 GiB object store, with and without `preallocate_plasma_memory`
+  (env `RAY_preallocate_plasma_memory=1`), the two alternating over the rounds.
+
 A goal is "noisy" when the baseline's own spread (its interquartile range over its
 median) is wider than the gap between the figure and the goal.
 """
@@ -22,7 +27,12 @@ median) is wider than the gap between the figure and the goal.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
+import sys
+import time
 import uuid
 
 import numpy as np
@@ -61,15 +71,102 @@ def tokens_for(n_tokens: int) -> np.ndarray:
     return np.random.default_rng(uuid.uuid4().int % 2**32).integers(0, 30_000, n_tokens)
 
 
+PREALLOC_ENV = "RAY_preallocate_plasma_memory"
+PROBE_STORE_GIB = 2
+
+
+def probe() -> None:
+    """One fresh Ray (settings from the environment): print its figures as JSON."""
+    t0 = time.perf_counter()
+    ray.init(
+        address="local",
+        num_cpus=4,
+        object_store_memory=PROBE_STORE_GIB << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    out: dict[str, float] = {"start_s": time.perf_counter() - t0}
+    try:
+        for mib in SIZES_MIB:
+            arr = np.random.default_rng(mib).integers(0, 256, mib << 20, dtype=np.uint8)
+            held: list = []  # a cache holds what it put: keep a small working set
+            times = []
+            for _ in range(9):
+                t = time.perf_counter()
+                held.append(ray.put(arr))
+                times.append(time.perf_counter() - t)
+                del held[:-4]
+            out[f"put_{mib}"] = statistics.median(times)
+        ns = f"bench-probe-{uuid.uuid4().hex[:8]}"
+        cache = raykv.connect(namespace=ns, chunk_size=CHUNK, kv_dtype="float16")
+        n_tokens = 32 * (1 << 20) // (2 * LAYERS * HIDDEN * 2)
+        kv = torch.randn(2, LAYERS, n_tokens, HIDDEN).to(torch.float16)
+        cache.store(tokens_for(n_tokens), kv)
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            assert cache.store(tokens_for(n_tokens), kv) == n_tokens
+            times.append(time.perf_counter() - t)
+        out["store_32"] = statistics.median(times)
+        cache.close()
+        shutdown_manager(ns)
+    finally:
+        ray.shutdown()
+    print("PROBE " + json.dumps(out), flush=True)
+
+
+def bench_settings(summary: Summary, rounds: int) -> None:
+    """Fresh processes with and without plasma preallocation, alternating."""
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for r in range(rounds):
+        for prealloc in (False, True) if r % 2 == 0 else (True, False):
+            env = dict(os.environ)
+            env.pop(PREALLOC_ENV, None)
+            if prealloc:
+                env[PREALLOC_ENV] = "1"
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_datapath", "--probe"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE ")]
+            if proc.returncode != 0 or not line:
+                raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            runs[prealloc].append(json.loads(line[-1][len("PROBE ") :]))
+    what = f"{PREALLOC_ENV}=1"
+    for field, label, per_gb in [
+        *[(f"put_{m}", f"ray.put {m} MiB", m / 1024) for m in SIZES_MIB],
+        ("store_32", "raykv store 32 MiB (synchronous)", 32 / 1024),
+        ("start_s", f"ray.init with a {PROBE_STORE_GIB} GiB object store", None),
+    ]:
+        on = [x[field] for x in runs[True]]
+        off = [x[field] for x in runs[False]]
+        a, b = spread(on), spread(off)
+        if per_gb is None:
+            value, base, unit, rng = a["median"], b["median"], "s", (a["min"], a["max"])
+        else:
+            value, base, unit = per_gb / a["median"], per_gb / b["median"], "GB/s"
+            rng = (per_gb / a["max"], per_gb / a["min"])
+        summary.row(f"{label}, {what}", value, unit, "the same without it", base, rng)
+        print(f"{label:<44} {value:7.2f} {unit:<4} with, {base:7.2f} without ({what})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 8/32 MiB only")
     parser.add_argument("--json", help="write the summary to this JSON file")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    reps = 5 if args.quick else 11
-    sizes = SIZES_MIB[:2] if args.quick else SIZES_MIB
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.probe:
+        probe()
+        return
+    reps = 5 if args.quick else 11
+    sizes = SIZES_MIB[:2] if args.quick else SIZES_MIB
     ray.init(
         address="local",
         num_cpus=4,
@@ -207,6 +304,7 @@ def main() -> None:
         plain.close()
         shutdown_manager(ns)
         ray.shutdown()
+    bench_settings(summary, 2 if args.quick else 4)
     summary.write(args.json)
 
 

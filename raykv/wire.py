@@ -103,21 +103,58 @@ class RetrieveResult:
         return [i < len(self.chunks) for i in range(n_chunks)]
 
 
-class PackedSpans:
-    """A request's spans in a compact wire form: one key identity, the chunk hashes and
-    the token ends. Pickles far faster than a list of `ChunkSpan` (a 512-chunk lookup
-    spends most of its time (de)serialising CacheKeys otherwise); build it with `of`.
-    """
+class PackedKeys:
+    """Keys of one identity in a compact wire form: the identity once and the chunk
+    hashes. Pickles ~15x faster than a list of `CacheKey` (171 keys: 0.07 ms against
+    1 ms), which a lookup pays on every actor hop; build it with `of`."""
 
-    __slots__ = ("identity", "hashes", "ends")
+    __slots__ = ("identity", "hashes")
 
-    def __init__(self, identity: KeyIdentity, hashes: list[str], ends: list[int]) -> None:
+    def __init__(self, identity: KeyIdentity, hashes: list[str]) -> None:
         self.identity = identity  # CacheKey.identity of every key
         self.hashes = hashes
+
+    @classmethod
+    def of(cls, keys: Sequence[CacheKey]) -> PackedKeys | list[CacheKey]:
+        """Pack `keys`; returns them unchanged (a list) if they differ in identity."""
+        if not keys:
+            return list(keys)
+        identity = keys[0].identity
+        for k in keys:
+            if k.identity != identity:
+                return list(keys)
+        return cls(identity, [k.chunk_hash for k in keys])
+
+    def keys(self) -> list[CacheKey]:
+        identity = self.identity
+        return [CacheKey.of(identity, h) for h in self.hashes]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedKeys, (self.identity, self.hashes))
+
+
+def unpack_keys(keys: Sequence[CacheKey] | PackedKeys) -> list[CacheKey]:
+    """The keys of a `PackedKeys` (or of a plain sequence, as a list)."""
+    return keys.keys() if isinstance(keys, PackedKeys) else list(keys)
+
+
+class PackedSpans(PackedKeys):
+    """A request's spans in a compact wire form: `PackedKeys` plus the token ends. A
+    512-chunk lookup spends most of its time (de)serialising CacheKeys otherwise; build
+    it with `of`.
+    """
+
+    __slots__ = ("ends",)
+
+    def __init__(self, identity: KeyIdentity, hashes: list[str], ends: list[int]) -> None:
+        super().__init__(identity, hashes)
         self.ends = ends
 
     @classmethod
-    def of(cls, spans: Sequence[ChunkSpan]) -> PackedSpans | list[ChunkSpan]:
+    def of(cls, spans: Sequence[ChunkSpan]) -> PackedSpans | list[ChunkSpan]:  # type: ignore[override]
         """Pack `spans`; returns them unchanged (a list) if their keys differ in identity."""
         if not spans:
             return list(spans)
@@ -126,13 +163,6 @@ class PackedSpans:
             if s.key.identity != identity:
                 return list(spans)
         return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
-
-    def keys(self) -> list[CacheKey]:
-        identity = self.identity
-        return [CacheKey.of(identity, h) for h in self.hashes]
-
-    def __len__(self) -> int:
-        return len(self.hashes)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedSpans, (self.identity, self.hashes, self.ends))

@@ -380,12 +380,17 @@ class CPUStoreActor:
             self._signal_room()
         return n
 
-    async def release(self, lookup_id: str | None, touched: list[CacheKey]) -> None:
-        """End of a request: drop its pins and apply its hits as one prefix-closed touch."""
-        if lookup_id is not None and self._store.unpin(lookup_id):
+    async def release(self, ends: list[tuple[str | None, list[CacheKey]]]) -> None:
+        """Ends of requests, in order: drop each one's pins and apply its hits as one
+        prefix-closed touch."""
+        freed = False
+        for lookup_id, touched in ends:
+            if lookup_id is not None and self._store.unpin(lookup_id):
+                freed = True
+            if touched:
+                self._store.touch(touched)
+        if freed:
             self._signal_room()
-        if touched:
-            self._store.touch(touched)
 
     async def touch(self, keys: list[CacheKey]) -> None:
         self._store.touch(keys)

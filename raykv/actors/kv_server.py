@@ -24,7 +24,7 @@ from raykv.actors.common import actor_options, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.kv_server import KVServerState
-from raykv.wire import TIER_REMOTE, PutAck
+from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, unpack_keys
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class KVServer:
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         return self._state.get_batch(keys)
 
-    def contains(self, keys: list[CacheKey]) -> list[bool]:
-        return self._state.contains(keys)
+    def contains(self, keys: list[CacheKey] | PackedKeys) -> list[bool]:
+        return self._state.contains(unpack_keys(keys))
 
     def remove(self, keys: list[CacheKey]) -> int:
         return self._state.remove(keys)

@@ -17,7 +17,7 @@ from raykv.actors.common import get_or_create_node_actor
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.remote import RemoteStore
-from raykv.wire import PutAck
+from raykv.wire import PackedKeys, PutAck, unpack_keys
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ class RemoteStoreActor:
     async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         return await self._store.get_batch(keys)
 
-    async def contains(self, keys: list[CacheKey]) -> list[bool]:
-        return await self._store.contains(keys)
+    async def contains(self, keys: list[CacheKey] | PackedKeys) -> list[bool]:
+        return await self._store.contains(unpack_keys(keys))
 
     async def remove(self, keys: list[CacheKey]) -> int:
         return await self._store.remove(keys)

@@ -354,11 +354,9 @@ class StorageManager:
         result = self._index.collect(keys, rec.refs if rec is not None else {})
         if len(result.chunks) < len(keys):  # lower-tier hits, promoted into CPU
             await self._get_lower(keys, len(result.chunks), result)
-        cpu = self._t.cpu
-        if cpu is not None and (result.chunks or lookup_id is not None):
+        if TIER_CPU in self._tiers and (result.chunks or lookup_id is not None):
             touched = [k for k in keys[: len(result.chunks)] if k in self._index.cpu]
-            # Sent after this reply is on its way: the client does not wait for it.
-            asyncio.get_running_loop().call_soon(cpu.release.remote, lookup_id, touched)
+            self._t.queue_release(lookup_id, touched)  # batched; the client does not wait
         result.hit_tokens = tokens(ends, len(result.chunks))
         self._index.counts["retrieved_tokens"] += result.hit_tokens
         metrics.observe("raykv_retrieve_latency_ms", (time.perf_counter() - t0) * 1000)
@@ -428,6 +426,7 @@ class StorageManager:
         keys = as_keys(keys)
         tiers = self._index.tiers_for(search_range)
         self._index.remove(keys, tiers)
+        self._t.flush_releases()  # touches queued before this removal reach the store first
         counts = await asyncio.gather(
             *(self._tiers[t].remove.remote(keys) for t in tiers), return_exceptions=True
         )

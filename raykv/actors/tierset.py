@@ -24,7 +24,7 @@ from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.index import TIER_PEER, PrefixIndex, kind, leading
-from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PutAck
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PackedKeys, PutAck
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,11 @@ REMOTE_PROBE_SHARE = 0.5
 # A pull (promotion into CPU, or a direct read without a CPU tier) is a miss after this
 # many lookup timeouts (the client gives a get four).
 PULL_TIMEOUT_FACTOR = 2.0
+# Ends of requests (pin drops and hit touches) are sent to the CPU store in one call per
+# this window instead of one call per `get`: under load that call cost the manager and
+# the store as much CPU as the `get` itself. Any other call on the CPU handle flushes
+# them first, so the store still sees them in request order.
+RELEASE_BATCH_SECS = 0.02
 
 
 class TierSet:
@@ -65,6 +70,8 @@ class TierSet:
         self._pull_timeout = config.lookup_timeout_ms / 1000 * PULL_TIMEOUT_FACTOR
         self._backend = (config.remote_url or "").partition("://")[0] or "none"
         self._hold = HandoutHold()
+        self._releases: list[tuple[str | None, list[CacheKey]]] = []
+        self._release_timer: asyncio.TimerHandle | None = None
 
     @property
     def peers(self) -> dict[str, Any]:
@@ -75,8 +82,31 @@ class TierSet:
 
     @property
     def cpu(self) -> Any:
-        """The CPU tier's handle while it is up (None without one, or while re-created)."""
+        """The CPU tier's handle while it is up (None without one, or while re-created).
+
+        Sends the queued request ends first: Ray runs one caller's calls to an actor in
+        order, so whatever is called on the handle next comes after them.
+        """
+        if self._releases:
+            self.flush_releases()
         return self.handles.get(TIER_CPU) if self.index.up(TIER_CPU) else None
+
+    def queue_release(self, lookup_id: str | None, touched: list[CacheKey]) -> None:
+        """End of a request on the CPU store (drop `lookup_id`'s pins, touch its hits),
+        sent with the others of the next `RELEASE_BATCH_SECS` in one call."""
+        self._releases.append((lookup_id, touched))
+        if self._release_timer is None:
+            loop = asyncio.get_running_loop()
+            self._release_timer = loop.call_later(RELEASE_BATCH_SECS, self.flush_releases)
+
+    def flush_releases(self) -> None:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        batch, self._releases = self._releases, []
+        handle = self.handles.get(TIER_CPU) if self.index.up(TIER_CPU) else None
+        if batch and handle is not None:  # a store that is down has dropped its pins
+            handle.release.remote(batch)
 
     def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -147,7 +177,7 @@ class TierSet:
         """How many of `keys` (unknown to every index) the remote tier holds as a prefix."""
         try:
             found = await asyncio.wait_for(
-                self.handles[TIER_REMOTE].contains.remote(keys),
+                self.handles[TIER_REMOTE].contains.remote(PackedKeys.of(keys)),
                 self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE,
             )
         except Exception as exc:
@@ -292,6 +322,7 @@ class TierSet:
 
     async def stats(self) -> dict[str, Any]:
         """The index's counters, and per tier its own stats beside what the index knows."""
+        self.flush_releases()
         index = self.index
         replies = await asyncio.gather(
             *(

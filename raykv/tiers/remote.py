@@ -34,7 +34,7 @@ from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, buffer_problem, decode, encode
 from raykv.tiers.budget import check_put_lengths
-from raykv.wire import TIER_REMOTE, PutAck, join_parts, split_batch
+from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class RayServerBackend:
         return metas, arrays
 
     async def contains(self, keys: list[CacheKey]) -> list[bool]:
-        return await self._server.contains.remote(keys)
+        return await self._server.contains.remote(PackedKeys.of(keys))
 
     async def remove(self, keys: list[CacheKey]) -> int:
         return await self._server.remove.remote(keys)

@@ -219,6 +219,34 @@ def test_pinned_chunks_are_never_evicted_and_a_full_put_gives_up(m):
     assert put(m, other).stored == 4
 
 
+def test_a_gets_touch_reaches_the_cpu_store_before_a_later_put_evicts(m):
+    """Request ends (unpin + touch) go to the CPU store batched; a put right after a get
+    must still find the get's hits touched, so LRU pressure evicts the other request."""
+    read_again, idle, new = request(30, 8), request(31, 8), request(32, 4)
+    put(m, read_again)
+    put(m, idle)  # 16 chunks: the CPU tier is full, read_again is the least recent
+    check_bytes(read_again, ray.get(m.get.remote(read_again)))
+    assert put(m, new).stored == 4
+    cpu = ray.get(m.tier_handles.remote())["cpu"]
+    assert all(ray.get(cpu.contains.remote([s.key for s in read_again])))
+    assert not all(ray.get(cpu.contains.remote([s.key for s in idle])))
+
+
+def test_a_gets_pins_are_released_without_a_later_call(m):
+    """The batched release is sent on its own within its window, not only when another
+    call to the CPU store pushes it out."""
+    spans = request(33, 4)
+    put(m, spans)
+    assert ray.get(m.lookup.remote(spans, pin=True, lookup_id="P")) == tokens(4)
+    cpu = ray.get(m.tier_handles.remote())["cpu"]
+    assert ray.get(cpu.stats.remote())["pinned_entries"] == 4
+    check_bytes(spans, ray.get(m.get.remote(spans, "P")))
+    deadline = time.monotonic() + 5
+    while ray.get(cpu.stats.remote())["pinned_entries"]:
+        assert time.monotonic() < deadline, "the get never released its pins"
+        time.sleep(0.01)
+
+
 @ray.remote(num_cpus=0)
 class Client:
     """A separate process that uses the cache and then dies."""

@@ -68,6 +68,23 @@ def test_spans_and_packed_spans_split_alike_and_junk_is_a_clear_error():
         split_spans([1, 2])
 
 
+def test_packed_keys_round_trip_through_pickle_and_mixed_identities_stay_a_list():
+    import pickle
+
+    from raykv.keys import CacheKey
+    from raykv.wire import PackedKeys, unpack_keys
+
+    keys = [key(i) for i in range(5)]
+    packed = PackedKeys.of(keys)
+    assert isinstance(packed, PackedKeys) and len(packed) == 5
+    assert unpack_keys(pickle.loads(pickle.dumps(packed))) == keys
+    other = CacheKey("another-model", 1, 0, keys[0].chunk_hash, keys[0].kv_dtype)
+    assert PackedKeys.of([*keys, other]) == [*keys, other]  # not packable: kept as is
+    assert unpack_keys(PackedKeys.of([])) == [] and unpack_keys(keys) == keys
+    spans = [ChunkSpan(i * 4, i * 4 + 4, k) for i, k in enumerate(keys)]
+    assert unpack_keys(PackedSpans.of(spans)) == keys  # packed spans are packed keys
+
+
 def test_cpu_ack_of_another_incarnation_drops_the_cpu_index():
     ix = index()
     ix.apply_cpu(ack([key(0)], 1))

@@ -97,7 +97,7 @@ def test_cpu_multi_turn_chats_keep_their_prefix_when_the_whole_request_is_sent(
         actor_put(actor, [key(conv, d) for d in range(end)])
 
     def retrieve(conv, n):
-        asyncio.run(actor.release(None, [key(conv, d) for d in range(n)]))
+        asyncio.run(actor.release([(None, [key(conv, d) for d in range(n)])]))
 
     run_turns(store_turn, retrieve, store.__contains__, convs=4, turns=3, step=4, seed=seed)
 
@@ -113,7 +113,7 @@ def test_cpu_multi_turn_keeps_its_prefix_when_only_new_chunks_and_their_prefix_k
         actor_put(actor, new, prefix=[key(conv, d) for d in range(hit)])
 
     def retrieve(conv, n):
-        asyncio.run(actor.release(None, [key(conv, d) for d in range(n)]))
+        asyncio.run(actor.release([(None, [key(conv, d) for d in range(n)])]))
 
     run_turns(store_turn, retrieve, actor._store.__contains__, convs=4, turns=3, step=4, seed=7)
 
