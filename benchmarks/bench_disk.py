@@ -38,6 +38,7 @@ from benchmarks._util import Summary, judge, median_seconds, redis_server_class,
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, encode
 from raykv.tiers.disk import SUFFIX, DiskStore, layout_digest
+from raykv.tiers.memory import reuse_freed_buffers
 
 MiB = 1 << 20
 # The DiskStore below runs 2 writer and 2 reader threads (its defaults); the plain
@@ -311,6 +312,7 @@ def bench_redis(root: Path, chunk_bytes: int, total_bytes: int, reps: int) -> No
 
 
 def main() -> None:
+    reuse_freed_buffers()  # as the disk tier's actor does (same process: both sides get it)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller data, fewer repetitions")
     parser.add_argument("--dir", help="directory on the file system to test (default: a temp dir)")

@@ -11,6 +11,7 @@ from raykv.actors.common import get_or_create_node_actor, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.disk import DiskStore
+from raykv.tiers.memory import reuse_freed_buffers
 from raykv.wire import PutAck
 
 # Threads of the disk actor's concurrency groups: puts (may wait on the write queue) and reads.
@@ -32,6 +33,7 @@ class DiskStoreActor:
     """
 
     def __init__(self, config: Any, **overrides: Any) -> None:
+        reuse_freed_buffers()  # every read fills a fresh chunk-sized buffer
         self._store = DiskStore.from_config(config, **overrides)
 
     @ray.method(concurrency_group="write")

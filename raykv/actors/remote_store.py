@@ -16,6 +16,7 @@ from raykv.actors.base import REMOTE_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.memory import reuse_freed_buffers
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import PackedKeys, PutAck, unpack_keys
 
@@ -34,6 +35,7 @@ class RemoteStoreActor:
     """Thin async Ray actor around one `RemoteStore` (implements `LowerTier`)."""
 
     def __init__(self, config: Any, timeout_s: float | None = None) -> None:
+        reuse_freed_buffers()  # every read decodes into fresh chunk-sized buffers
         self._store = RemoteStore(config, timeout_s=timeout_s)
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
