@@ -33,7 +33,7 @@ from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
-from raykv.payload import PayloadMeta, buffer_to_tensor, tensor_to_buffer
+from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU
 
@@ -477,26 +477,34 @@ class KVCache:
     def _materialise(
         self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]]
     ) -> list[tuple[ChunkSpan, torch.Tensor]]:
-        out = []
+        """Zero-copy tensors of the leading chunks that hold this model's KV."""
+        num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
+        expected: dict[
+            int, PayloadMeta
+        ] = {}  # by chunk length: one meta per request, not per chunk
+        good = 0
         for span, buf, meta in chunks:
-            num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
-            expected = PayloadMeta(
-                self.config.kv_dtype, (2, num_layers, span.end - span.start, hidden)
-            )
-            if meta != expected:
+            n = span.end - span.start
+            want = expected.get(n)
+            if want is None:
+                want = expected[n] = PayloadMeta(self.config.kv_dtype, (2, num_layers, n, hidden))
+            if meta != want or buf.nbytes != want.nbytes:
                 # Not this model's KV (another model under the same model_name, or a hostile
                 # writer with a valid checksum): the prefix ends here, the app sees a miss.
                 logger.error(
-                    "raykv: cached chunk %s is %s, expected %s; treated as a miss "
+                    "raykv: cached chunk %s is %s (%d bytes), expected %s; treated as a miss "
                     "(do two models share model_name=%r?)",
                     span.key,
                     meta,
-                    expected,
+                    buf.nbytes,
+                    want,
                     self.config.model_name,
                 )
                 break
-            out.append((span, buffer_to_tensor(buf, meta)))
-        return out
+            good += 1
+        kept = chunks[:good]
+        tensors = buffers_to_tensors([buf for _, buf, _ in kept], [m for _, _, m in kept])
+        return [(span, t) for (span, _, _), t in zip(kept, tensors, strict=True)]
 
     def put_chunks(
         self,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hmac
 import struct
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -190,6 +191,20 @@ def buffer_to_tensor(buf: Any, meta: PayloadMeta, *, copy: bool = False) -> torc
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr)
     return t.view(getattr(torch, meta.dtype)).reshape(meta.shape)
+
+
+def buffers_to_tensors(buffers: Sequence[np.ndarray], metas: Sequence[PayloadMeta]) -> list:
+    """`buffer_to_tensor` of many flat uint8 arrays whose sizes match their metas (checked
+    by the caller), zero-copy and read-only, in one warnings scope (a retrieve of 512
+    chunks paid ~2 us per chunk for entering one)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return [
+            torch.from_numpy(buf).view(getattr(torch, meta.dtype)).reshape(meta.shape)
+            for buf, meta in zip(buffers, metas, strict=True)
+        ]
 
 
 class Header(NamedTuple):

@@ -102,6 +102,25 @@ class RetrieveResult:
         """Hit mask over the request's chunks (a prefix of True)."""
         return [i < len(self.chunks) for i in range(n_chunks)]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Each distinct batch ref and meta once, chunks as indexes into them: a 512-chunk
+        # answer pickled per ChunkRef cost ~6 ms (a ref reducer and a meta per chunk).
+        refs: dict[Any, int] = {}
+        metas: dict[Any, int] = {}
+        which, index, meta_of = [], [], []
+        for c in self.chunks:
+            which.append(refs.setdefault(c.ref, len(refs)))
+            index.append(c.index)
+            meta_of.append(metas.setdefault(c.meta, len(metas)))
+        packed = (list(refs), which, index, list(metas), meta_of)
+        return (_unpack_result, (packed, self.hit_tokens, self.tiers))
+
+
+def _unpack_result(packed: tuple[Any, ...], hit_tokens: int, tiers: list[str]) -> RetrieveResult:
+    refs, which, index, metas, meta_of = packed
+    chunks = [ChunkRef(refs[w], i, metas[m]) for w, i, m in zip(which, index, meta_of, strict=True)]
+    return RetrieveResult(chunks, hit_tokens, tiers)
+
 
 class PackedKeys:
     """Keys of one identity in a compact wire form: the identity once and the chunk
@@ -126,8 +145,11 @@ class PackedKeys:
         return cls(identity, [k.chunk_hash for k in keys])
 
     def keys(self) -> list[CacheKey]:
-        identity = self.identity
-        return [CacheKey.of(identity, h) for h in self.hashes]
+        model_name, world_size, worker_id, kv_dtype = self.identity
+        new = tuple.__new__  # CacheKey.of, inlined: this runs for every key of every request
+        return [
+            new(CacheKey, (model_name, world_size, worker_id, h, kv_dtype)) for h in self.hashes
+        ]
 
     def __len__(self) -> int:
         return len(self.hashes)

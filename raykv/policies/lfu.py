@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from sortedcontainers import SortedDict
@@ -74,29 +74,43 @@ class LFUPolicy(BasePolicy):
         return key in self._freq
 
     def simulate(self, ids: Iterable[Key]) -> int:
-        # Classic O(1) LFU: the minimum frequency only drops to 1 on insert. Buckets
-        # are a list indexed by frequency (empty ones are kept): cheaper than a dict.
-        freq: dict = {}
-        get = freq.get
-        buckets: list = [None, OrderedDict()]
+        # Classic O(1) LFU with lazy bucket removal: each live key has a cell [key, freq];
+        # a hit bumps the cell's freq and appends the cell to the next bucket (a deque),
+        # leaving a stale entry behind. An entry is live iff its cell's freq equals the
+        # bucket's: within one life a key's freq only grows, so it enters each bucket at
+        # most once, and an evicted cell gets freq 0. Bucket order is still "entered the
+        # bucket" (LRU among ties), as with the protocol path's OrderedDicts; the minimum
+        # frequency only drops (to 1) on insert.
+        cells: dict = {}
+        get = cells.get
+        buckets: list = [None, deque()]
         grow = buckets.append
         cap, misses, low, top = self.capacity, 0, 1, 1
         for key in ids:
-            f = get(key)
-            if f is None:
+            cell = get(key)
+            if cell is None:
                 misses += 1
                 if misses > cap:  # full: each miss past the first `cap` evicts one
-                    del freq[buckets[low].popitem(False)[0]]
-                low = f = 1
+                    while True:
+                        bucket = buckets[low]
+                        while bucket:
+                            victim = bucket.popleft()
+                            if victim[1] == low:
+                                break
+                        else:
+                            low += 1
+                            continue
+                        break
+                    victim[1] = 0
+                    del cells[victim[0]]
+                cell = cells[key] = [key, 1]
+                buckets[1].append(cell)
+                low = 1
             else:
-                bucket = buckets[f]
-                del bucket[key]
-                if f == low and not bucket:
-                    low = f + 1
-                f += 1
+                f = cell[1] + 1
+                cell[1] = f
                 if f > top:
-                    grow(OrderedDict())
+                    grow(deque())
                     top = f
-            freq[key] = f
-            buckets[f][key] = None
+                buckets[f].append(cell)
         return misses

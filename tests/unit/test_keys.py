@@ -144,6 +144,20 @@ def test_cache_keys_are_hashable_and_orderable():
     assert len({a, b, make_key("m", 1, 0, "0" * 32, "float16")}) == 2
 
 
+def test_cache_key_built_from_its_identity_is_the_same_key_and_survives_pickle():
+    import pickle
+
+    from raykv.keys import CacheKey
+    from raykv.wire import PackedKeys
+
+    k = make_key("m/x", 2, 1, "ab" * 16, "bfloat16")
+    assert CacheKey.of(k.identity, k.chunk_hash) == k and k.identity == ("m/x", 2, 1, "bfloat16")
+    for same in (CacheKey.of(k.identity, k.chunk_hash), pickle.loads(pickle.dumps(k))):
+        assert type(same) is CacheKey and hash(same) == hash(k) and str(same) == str(k)
+    assert PackedKeys.of([k]).keys() == [k] and type(PackedKeys.of([k]).keys()[0]) is CacheKey
+    assert str(k) == k.to_string() == "m%2Fx@2@1@" + "ab" * 16 + "@bfloat16"
+
+
 @pytest.mark.parametrize(
     "text",
     [

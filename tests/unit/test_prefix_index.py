@@ -85,6 +85,24 @@ def test_packed_keys_round_trip_through_pickle_and_mixed_identities_stay_a_list(
     assert unpack_keys(PackedSpans.of(spans)) == keys  # packed spans are packed keys
 
 
+def test_retrieve_result_pickles_each_batch_ref_and_meta_once_and_round_trips():
+    import pickle
+
+    from raykv.wire import RetrieveResult
+
+    full, tail = PayloadMeta("float16", (2, 1, 4, 8)), PayloadMeta("float16", (2, 1, 2, 8))
+    chunks = [ChunkRef("batch-a", i, PayloadMeta("float16", (2, 1, 4, 8))) for i in range(3)]
+    chunks += [ChunkRef("batch-b", 0, full), ChunkRef("batch-b", 1, tail)]
+    result = RetrieveResult(chunks, 18, [TIER_CPU] * 3 + [TIER_DISK] * 2)
+    _, (packed, hit_tokens, tiers) = result.__reduce__()
+    refs, which, index, metas, meta_of = packed
+    assert refs == ["batch-a", "batch-b"] and which == [0, 0, 0, 1, 1]
+    assert metas == [full, tail] and meta_of == [0, 0, 0, 0, 1] and index == [0, 1, 2, 0, 1]
+    again = pickle.loads(pickle.dumps(result))
+    assert again == result and again.hit_chunks == 5 and again.tiers == result.tiers
+    assert pickle.loads(pickle.dumps(RetrieveResult())) == RetrieveResult()
+
+
 def test_cpu_ack_of_another_incarnation_drops_the_cpu_index():
     ix = index()
     ix.apply_cpu(ack([key(0)], 1))
