@@ -24,7 +24,8 @@ from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.index import TIER_PEER, PrefixIndex, kind, leading
-from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PackedKeys, PutAck
+from raykv.tiers.remote import RemoteStore
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PutAck
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class TierSet:
         self._hold = HandoutHold()
         self._releases: list[tuple[str | None, list[CacheKey]]] = []
         self._release_timer: asyncio.TimerHandle | None = None
+        self._probe: RemoteStore | None = None  # the remote server, asked by lookups directly
 
     @property
     def peers(self) -> dict[str, Any]:
@@ -174,15 +176,23 @@ class TierSet:
             await asyncio.gather(*(self.check(t) for t in self.index.order))
 
     async def probe_remote(self, keys: list[CacheKey]) -> int:
-        """How many of `keys` (unknown to every index) the remote tier holds as a prefix."""
-        try:
-            found = await asyncio.wait_for(
-                self.handles[TIER_REMOTE].contains.remote(PackedKeys.of(keys)),
-                self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE,
-            )
-        except Exception as exc:
-            self.remote_error("contains", exc)
-            return 0
+        """How many of `keys` (unknown to every index) the remote tier holds as a prefix.
+
+        Asked of the remote server itself (a Redis server, a `ray://` KVServer) from this
+        process, not through the remote tier's actor: one hop less on every lookup that
+        reaches the remote. The probe has its own time-out, error count and back-off.
+        """
+        if self._probe is None:
+            timeout = self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE
+            try:
+                self._probe = RemoteStore(self._config, timeout_s=timeout)
+            except Exception as exc:
+                self.remote_error("contains", exc)
+                return 0
+        errors = self._probe.errors
+        found = await self._probe.contains(keys)
+        if self._probe.errors != errors:  # counted in raykv_remote_errors by the probe
+            self.index.counts["remote_errors"] += 1
         n = leading(found, 0, bool)
         self.index.found_remote(keys[:n])
         return n

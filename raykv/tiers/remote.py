@@ -325,6 +325,11 @@ class RemoteStore:
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
 
+    @property
+    def errors(self) -> int:
+        """Calls that failed or timed out so far."""
+        return self._counts["errors"]
+
     # ----- failure handling -----
 
     def _scrub(self, text: str) -> str:

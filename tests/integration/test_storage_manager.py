@@ -400,6 +400,7 @@ def test_three_tier_prefix_with_a_redis_remote_written_by_others(make_manager, r
     t0 = time.monotonic()
     assert ray.get(m.lookup.remote(request(42, 3))) == 0
     assert time.monotonic() - t0 < 3.0
+    assert ray.get(m.stats.remote())["remote_errors"] >= 1  # the manager's own probe failed
     assert ray.get(m.lookup.remote(spans)) == tokens(6)  # now all in CPU
 
 
