@@ -53,7 +53,7 @@ from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import ChunkSpan, KeyMaker  # noqa: E402
 from raykv.payload import PayloadMeta  # noqa: E402
-from raykv.wire import PackedSpans
+from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\
@@ -246,13 +246,13 @@ def bench_put_get(rows: list[dict], manager, cpu, chunk_mib: int, reps: int) -> 
     ref = ray.put(arrays)
     ray.get(manager.put.remote([s.key for s in spans], metas, [ref]))
     del ref
-    refs = list({c.ref for c in ray.get(manager.get.remote(spans)).chunks})
+    refs = list({c.ref for c in RetrieveResult.of(ray.get(manager.get.remote(spans))).chunks})
     ping = Ping.remote()
     ray.get(ping.ping.remote())
     dst = [np.empty_like(a) for a in arrays]
 
     def get_path() -> None:
-        res = ray.get(manager.get.remote(spans))
+        res = RetrieveResult.of(ray.get(manager.get.remote(spans)))
         distinct = list({c.ref: None for c in res.chunks})
         values = dict(zip(distinct, ray.get(distinct), strict=True))
         assert len(res.chunks) == CHUNKS_PER_REQUEST
@@ -324,11 +324,11 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"lookup never found all {n} chunks over 3 tiers")
                 time.sleep(0.1)
-            packed = PackedSpans.of(spans)
-            for form, arg in (("ChunkSpan list", spans), ("PackedSpans", packed)):
+            packed = PackedSpans.of(spans).wire()  # what a KVCache sends
+            for form, arg in (("ChunkSpan list", spans), ("packed", packed)):
                 t, t_ping = paired(lambda x=arg: ray.get(manager.lookup.remote(x)), rtt, reps)
                 name = f"lookup {n} chunks, 3 tiers from the index ({form})"
-                goal = "goal <= 2.0" if form == "PackedSpans" else ""
+                goal = "goal <= 2.0" if form == "packed" else ""
                 report(rows, f"{name} p50", "ms", "async actor RTT p50", t, t_ping, goal=goal)
                 report(rows, f"{name} p99", "ms", "async actor RTT p99", t, t_ping, quantile=0.99)
             # The remote third unknown to the manager's index (written there by another
@@ -343,14 +343,14 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
                 ref = ray.put([np.zeros(nbytes, np.uint8)] * len(tail))
                 ack = ray.get(remote.put.remote(tail, [meta_for(nbytes, 16)] * len(tail), [ref]))
                 assert len(ack.accepted) == len(tail), ack
-                tails.append(PackedSpans.of(full))
+                tails.append(PackedSpans.of(full).wire())
             it = iter(tails)
 
             def probed() -> None:
                 assert ray.get(manager.lookup.remote(next(it))) == n * 16
 
             t, t_ping = paired(probed, rtt, probe_reps)
-            name = f"lookup {n} chunks, remote third probed (PackedSpans)"
+            name = f"lookup {n} chunks, remote third probed (packed)"
             report(rows, f"{name} p50", "ms", "async actor RTT p50", t, t_ping, goal="goal <= 2.0")
             report(rows, f"{name} p99", "ms", "async actor RTT p99", t, t_ping, quantile=0.99)
     finally:

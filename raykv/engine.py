@@ -35,7 +35,7 @@ from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
 from raykv.staging import Stager, copy_buffers
-from raykv.wire import TIER_CPU
+from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,10 @@ class KVCache:
         return self._keys.keys(tokens, mask)
 
     def _packed(self, spans: list[ChunkSpan]) -> Any:
-        from raykv.wire import PackedSpans
-
-        return PackedSpans.of(spans)
+        """`spans` as the manager's calls take them: the plain wire tuple of `PackedSpans`
+        (msgpack, not pickle) when their keys share one identity."""
+        packed = PackedSpans.of(spans)
+        return packed.wire() if isinstance(packed, PackedSpans) else packed
 
     def _check_geometry(self, num_layers: int, hidden: int, what: str) -> None:
         if self._geometry is None:
@@ -295,17 +296,9 @@ class KVCache:
         owned = lookup_id is not None
         if pin and lookup_id is None:
             lookup_id = uuid.uuid4().hex
-        hit = int(
-            self._call(
-                "lookup",
-                self._packed(spans),
-                pin,
-                None,
-                lookup_id,
-                timeout=self._lookup_timeout,
-                default=0,
-            )
-        )
+        # Only the arguments that differ from the defaults: Ray serializes each one.
+        args = (self._packed(spans), True, None, lookup_id) if pin else (self._packed(spans),)
+        hit = int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
         if pin and hit and not owned:  # a caller-named lookup is the caller's to release
             self._open_pin(lookup_id, self._last_hit_key(spans, hit))
         return hit
@@ -448,14 +441,10 @@ class KVCache:
             self._forget_pin(lookup_id)
         packed = self._packed(spans)
         for check_cpu in (False, True):
-            result = self._call(
-                "get",
-                packed,
-                lookup_id,
-                check_cpu,
-                timeout=self._lookup_timeout * 4,
-                default=None,
-            )
+            plain = lookup_id is None and not check_cpu  # default arguments are not sent
+            args = (packed,) if plain else (packed, lookup_id, check_cpu)
+            reply = self._call("get", *args, timeout=self._lookup_timeout * 4, default=None)
+            result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
                 return [], []
             refs = list({c.ref: None for c in result.chunks})
@@ -579,9 +568,10 @@ class KVCache:
             return 0
         timeout = self.config.blocking_timeout_secs + _PUT_SLACK_SECS
         packed = self._packed(spans)
-        result = self._call(
-            "put", packed, metas, batch, priority, prefix or None, timeout=timeout, default=None
-        )
+        args = (packed, metas, batch)
+        if priority is not None or prefix:  # only what differs from the defaults
+            args += (priority, prefix or None)
+        result = self._call("put", *args, timeout=timeout, default=None)
         # New, or already cached (the first put wins).
         return 0 if result is None else result.stored + result.present
 

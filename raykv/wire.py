@@ -102,9 +102,11 @@ class RetrieveResult:
         """Hit mask over the request's chunks (a prefix of True)."""
         return [i < len(self.chunks) for i in range(n_chunks)]
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Each distinct batch ref and meta once, chunks as indexes into them: a 512-chunk
-        # answer pickled per ChunkRef cost ~6 ms (a ref reducer and a meta per chunk).
+    def wire(self) -> tuple[Any, ...]:
+        """This result as one plain tuple (what `StorageManager.get` returns): Ray sends its
+        lists, ints and strings with msgpack and pickles only the refs. Each distinct batch
+        ref and meta appears once, the chunks as indexes into them: pickled per ChunkRef,
+        a 512-chunk answer cost ~6 ms. `RetrieveResult.of` reads it back."""
         refs: dict[Any, int] = {}
         metas: dict[Any, int] = {}
         which, index, meta_of = [], [], []
@@ -112,14 +114,30 @@ class RetrieveResult:
             which.append(refs.setdefault(c.ref, len(refs)))
             index.append(c.index)
             meta_of.append(metas.setdefault(c.meta, len(metas)))
-        packed = (list(refs), which, index, list(metas), meta_of)
-        return (_unpack_result, (packed, self.hit_tokens, self.tiers))
+        plain = [(m.dtype, m.shape, m.layout) for m in metas]
+        return (RESULT_WIRE, list(refs), which, index, plain, meta_of, self.hit_tokens, self.tiers)
+
+    @classmethod
+    def of(cls, value: Any) -> RetrieveResult:
+        """The result a `wire()` tuple holds (a `RetrieveResult` is returned as is)."""
+        if isinstance(value, RetrieveResult):
+            return value
+        from raykv.payload import PayloadMeta
+
+        tag, refs, which, index, plain, meta_of, hit_tokens, tiers = value
+        if tag != RESULT_WIRE:
+            raise ValueError(f"not a RetrieveResult wire form: {tag!r}")
+        metas = [PayloadMeta(dtype, tuple(shape), layout) for dtype, shape, layout in plain]
+        chunks = [
+            ChunkRef(refs[w], i, metas[m]) for w, i, m in zip(which, index, meta_of, strict=True)
+        ]
+        return cls(chunks, hit_tokens, list(tiers))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RetrieveResult.of, (self.wire(),))
 
 
-def _unpack_result(packed: tuple[Any, ...], hit_tokens: int, tiers: list[str]) -> RetrieveResult:
-    refs, which, index, metas, meta_of = packed
-    chunks = [ChunkRef(refs[w], i, metas[m]) for w, i, m in zip(which, index, meta_of, strict=True)]
-    return RetrieveResult(chunks, hit_tokens, tiers)
+RESULT_WIRE = "raykv.retrieve/1"
 
 
 class PackedKeys:
@@ -188,6 +206,31 @@ class PackedSpans(PackedKeys):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedSpans, (self.identity, self.hashes, self.ends))
+
+    def wire(self) -> tuple[Any, ...]:
+        """These spans as one plain tuple of strings, ints and lists, which Ray sends with
+        msgpack instead of pickle (0.1-0.2 ms less per call than this object; see
+        `docs/ARCHITECTURE.md`). `from_wire` reads it back."""
+        return (SPANS_WIRE, self.identity, self.hashes, self.ends)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> PackedSpans | None:
+        """The spans of a `wire()` tuple; None if `value` is not one."""
+        if not (isinstance(value, tuple | list) and len(value) == 4 and value[0] == SPANS_WIRE):
+            return None
+        _, identity, hashes, ends = value
+        if not (
+            isinstance(identity, tuple | list)
+            and len(identity) == 4
+            and isinstance(hashes, list | tuple)
+            and isinstance(ends, list | tuple)
+            and len(hashes) == len(ends)
+        ):
+            raise ValueError("malformed spans wire form: need identity (4), hashes and ends")
+        return cls(tuple(identity), list(hashes), list(ends))
+
+
+SPANS_WIRE = "raykv.spans/1"
 
 
 def split_batch(batch: Any, ref_type: type | None) -> tuple[list[Any], list[np.ndarray]]:

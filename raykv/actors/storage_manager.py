@@ -332,8 +332,10 @@ class StorageManager:
         spans: Sequence[ChunkSpan] | PackedSpans,
         lookup_id: str | None = None,
         check_cpu: bool = False,
-    ) -> RetrieveResult:
-        """The chunks of the longest available prefix, served from CPU.
+    ) -> tuple:
+        """The chunks of the longest available prefix, served from CPU, as the plain tuple
+        `RetrieveResult.wire()` (read it with `RetrieveResult.of`: a plain tuple costs the
+        caller ~0.1-0.25 ms less per call than a pickled object).
 
         Lower-tier hits are promoted into CPU (one pull per tier, concurrently).
         Releases `lookup_id`'s pins and applies this request's hits as one prefix-closed
@@ -360,7 +362,7 @@ class StorageManager:
         result.hit_tokens = tokens(ends, len(result.chunks))
         self._index.counts["retrieved_tokens"] += result.hit_tokens
         metrics.observe("raykv_retrieve_latency_ms", (time.perf_counter() - t0) * 1000)
-        return result
+        return result.wire()
 
     async def _get_lower(self, keys: list[CacheKey], start: int, result: RetrieveResult) -> None:
         """Extend `result` from `keys[start:]`: local lower tiers first (by index), then a

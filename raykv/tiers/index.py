@@ -59,8 +59,19 @@ def tokens(ends: Sequence[int], n: int) -> int:
     return ends[n - 1] if n else 0
 
 
+def _unwire(items: Any) -> Any:
+    """`PackedSpans` for a spans wire tuple (`PackedSpans.wire`), else `items` as given."""
+    try:
+        packed = PackedSpans.from_wire(items)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    return items if packed is None else packed
+
+
 def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey], list[int]]:
-    """(keys, token ends) of a request's spans; a clear error for anything else."""
+    """(keys, token ends) of a request's spans (a list of `ChunkSpan`, `PackedSpans` or its
+    wire tuple); a clear error for anything else."""
+    spans = _unwire(spans)
     if isinstance(spans, PackedSpans):
         return spans.keys(), list(spans.ends)
     try:
@@ -73,7 +84,8 @@ def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey
 
 
 def as_keys(items: Sequence[CacheKey | ChunkSpan] | PackedSpans) -> list[CacheKey]:
-    """Keys of `items` (keys, spans or packed spans)."""
+    """Keys of `items` (keys, spans, packed spans or their wire tuple)."""
+    items = _unwire(items)
     if isinstance(items, PackedSpans):
         return items.keys()
     return [i.key if isinstance(i, ChunkSpan) else i for i in items]

@@ -17,6 +17,7 @@ from raykv.actors.kv_server import get_or_create_kv_server
 from raykv.actors.storage_manager import get_or_create_manager, manager_name, shutdown_manager
 from raykv.config import RayKVConfig
 from raykv.engine import KVCache
+from raykv.wire import RetrieveResult
 
 CHUNK, LAYERS, HIDDEN, TOKENS = 16, 2, 8, 64
 
@@ -94,7 +95,7 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         assert tiers == {"cpu": TOKENS}
         torch.testing.assert_close(out, kv)
         # B's copy lives in B's object store (which B's budget counts), not A's.
-        got = ray.get(b._manager.get.remote(b.spans(tokens)), timeout=30)
+        got = RetrieveResult.of(ray.get(b._manager.get.remote(b.spans(tokens)), timeout=30))
         refs = list({c.ref: None for c in got.chunks})
         nodes = [loc["node_ids"] for loc in get_object_locations(refs, 10_000).values()]
         assert len(nodes) == len(refs) and all(cluster.b in n and cluster.a not in n for n in nodes)

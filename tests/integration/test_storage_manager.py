@@ -17,6 +17,7 @@ from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
 from raykv.config import RayKVConfig
 from raykv.keys import ChunkSpan, KeyMaker
 from raykv.payload import PayloadMeta
+from raykv.wire import RetrieveResult
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -117,7 +118,7 @@ def test_prefix_is_stitched_across_tiers(m):
     assert ray.get(m.lookup.remote(spans)) == tokens(5)
     assert ray.get(m.lookup.remote(spans, search_range=["disk"])) == 0
     assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(3)
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.hit_tokens == tokens(5)
     assert result.tiers == ["cpu"] * 3 + ["disk"] * 2
     check_bytes(spans, result)
@@ -129,7 +130,7 @@ def test_a_hole_in_the_middle_ends_the_prefix(m):
     assert ray.get(m.flush.remote(30))
     ray.get(m.remove.remote([spans[2].key]))  # from every tier
     assert ray.get(m.lookup.remote(spans)) == tokens(2)
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.hit_chunks == 2 and result.mask(5) == [True, True, False, False, False]
     check_bytes(spans, result, hits=2)
 
@@ -140,11 +141,11 @@ def test_a_disk_only_prefix_is_read_and_promoted_into_cpu(m):
     assert ray.get(m.flush.remote(30))
     ray.get(m.remove.remote(spans, ["cpu"]))
     assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == 0
-    first = ray.get(m.get.remote(spans))
+    first = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert first.tiers == ["disk"] * 4
     check_bytes(spans, first)
     assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(4)
-    second = ray.get(m.get.remote(spans))
+    second = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert second.tiers == ["cpu"] * 4
     check_bytes(spans, second)
 
@@ -157,7 +158,7 @@ def test_prefetch_loads_lower_tiers_into_cpu_and_get_serves_it(m):
     ray.get(m.prefetch.remote("p1", spans))  # returns at once
     assert ray.get(m.wait.remote("p1")) == tokens(6)
     assert ray.get(m.lookup.remote(spans, search_range=["cpu"])) == tokens(6)
-    result = ray.get(m.get.remote(spans, "p1"))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans, "p1")))
     assert result.hit_tokens == tokens(6)
     check_bytes(spans, result)
     # get released its pins (the release is sent without waiting: poll)
@@ -177,7 +178,7 @@ def test_a_wait_that_overtakes_its_prefetch_waits_for_it(m):
     time.sleep(0.2)
     ray.get(m.prefetch.remote("overtaken", spans))
     assert ray.get(pending) == tokens(3)
-    check_bytes(spans, ray.get(m.get.remote(spans, "overtaken")))
+    check_bytes(spans, RetrieveResult.of(ray.get(m.get.remote(spans, "overtaken"))))
 
 
 def test_a_failed_tier_load_shortens_the_prefix_and_corrects_the_index(m):
@@ -190,7 +191,7 @@ def test_a_failed_tier_load_shortens_the_prefix_and_corrects_the_index(m):
     assert ray.get(m.lookup.remote(spans)) == tokens(4)  # the index still believes it
     ray.get(m.prefetch.remote("p2", spans))
     assert ray.get(m.wait.remote("p2")) == tokens(2)
-    result = ray.get(m.get.remote(spans, "p2"))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans, "p2")))
     assert result.hit_tokens == tokens(2)
     check_bytes(spans, result, hits=2)
     assert ray.get(m.lookup.remote(spans)) == tokens(2)  # corrected
@@ -210,12 +211,12 @@ def test_pinned_chunks_are_never_evicted_and_a_full_put_gives_up(m):
     # A read of the other request is served from disk without waiting for room.
     assert ray.get(m.flush.remote(30))
     t0 = time.monotonic()
-    result = ray.get(m.get.remote(other))
+    result = RetrieveResult.of(ray.get(m.get.remote(other)))
     assert time.monotonic() - t0 < 1.5
     assert result.hit_tokens == tokens(4) and result.tiers == ["disk"] * 4
     check_bytes(other, result)
     # The get of the pinned lookup releases it: now the other request fits.
-    check_bytes(pinned, ray.get(m.get.remote(pinned, "L")))
+    check_bytes(pinned, RetrieveResult.of(ray.get(m.get.remote(pinned, "L"))))
     assert put(m, other).stored == 4
 
 
@@ -225,7 +226,7 @@ def test_a_gets_touch_reaches_the_cpu_store_before_a_later_put_evicts(m):
     read_again, idle, new = request(30, 8), request(31, 8), request(32, 4)
     put(m, read_again)
     put(m, idle)  # 16 chunks: the CPU tier is full, read_again is the least recent
-    check_bytes(read_again, ray.get(m.get.remote(read_again)))
+    check_bytes(read_again, RetrieveResult.of(ray.get(m.get.remote(read_again))))
     assert put(m, new).stored == 4
     cpu = ray.get(m.tier_handles.remote())["cpu"]
     assert all(ray.get(cpu.contains.remote([s.key for s in read_again])))
@@ -240,7 +241,7 @@ def test_a_gets_pins_are_released_without_a_later_call(m):
     assert ray.get(m.lookup.remote(spans, pin=True, lookup_id="P")) == tokens(4)
     cpu = ray.get(m.tier_handles.remote())["cpu"]
     assert ray.get(cpu.stats.remote())["pinned_entries"] == 4
-    check_bytes(spans, ray.get(m.get.remote(spans, "P")))
+    check_bytes(spans, RetrieveResult.of(ray.get(m.get.remote(spans, "P"))))
     deadline = time.monotonic() + 5
     while ray.get(cpu.stats.remote())["pinned_entries"]:
         assert time.monotonic() < deadline, "the get never released its pins"
@@ -264,7 +265,7 @@ def test_data_stays_readable_after_the_writer_exits(m):
     assert ray.get(writer.store.remote(m, spans)).stored == 3
     ray.kill(writer)
     time.sleep(0.5)
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.tiers == ["cpu"] * 3
     check_bytes(spans, result)
 
@@ -296,7 +297,7 @@ def test_lazy_prefix_closed_touch_keeps_the_cache_prefix_closed(m):
         put(m, spans)
         for j in rng.choice(i + 1, size=2):  # re-read some earlier requests
             wanted = requests[j][: rng.integers(1, 5)]
-            res = ray.get(m.get.remote(wanted))
+            res = RetrieveResult.of(ray.get(m.get.remote(wanted)))
             # an evicted chunk's disk write may still be running: a shorter hit is fine
             assert res.hit_chunks >= 1
             check_bytes(wanted, res, hits=res.hit_chunks)
@@ -342,11 +343,11 @@ def test_a_killed_cpu_store_restarts_and_the_manager_serves_from_disk(m):
         assert time.monotonic() < deadline, "the CPUStore did not restart"
         time.sleep(0.1)
     # A client whose read failed with OwnerDiedError asks again with check_cpu=True.
-    result = ray.get(m.get.remote(spans, check_cpu=True))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans, check_cpu=True)))
     assert result.hit_tokens == tokens(4) and result.tiers == ["disk"] * 4
     check_bytes(spans, result)
     assert ray.get(m.incarnations.remote())["cpu"] != before
-    again = ray.get(m.get.remote(spans))
+    again = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert again.tiers == ["cpu"] * 4  # promoted into the restarted CPUStore
     check_bytes(spans, again)
 
@@ -365,7 +366,7 @@ def test_manager_restart_rebuilds_its_index_from_the_tiers(m):
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert n == tokens(3)
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.hit_tokens == tokens(3)
     check_bytes(spans, result)
 
@@ -381,7 +382,7 @@ def test_three_tier_prefix_with_a_redis_remote_written_by_others(make_manager, r
     ray.get(m.remove.remote(keys[:4], ["remote"]))
     assert ray.get(m.lookup.remote(spans)) == tokens(6)
     assert ray.get(m.lookup.remote(spans, search_range=["disk", "remote"])) == 0
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.tiers == ["cpu"] * 2 + ["disk"] * 2 + ["remote"] * 2
     check_bytes(spans, result)
 
@@ -391,7 +392,7 @@ def test_three_tier_prefix_with_a_redis_remote_written_by_others(make_manager, r
     ref = ray.put([payload(s.key) for s in others])
     ray.get(remote.put.remote([s.key for s in others], [META] * 3, [ref]))
     assert ray.get(m.lookup.remote(others)) == tokens(3)
-    found = ray.get(m.get.remote(others))
+    found = RetrieveResult.of(ray.get(m.get.remote(others)))
     assert found.tiers == ["remote"] * 3
     check_bytes(others, found)
 
@@ -410,12 +411,12 @@ def test_without_a_cpu_tier_lower_tier_hits_are_served(make_manager):
     assert put(m, spans).stored == 0
     assert ray.get(m.flush.remote(30))
     assert ray.get(m.lookup.remote(spans)) == tokens(4)
-    result = ray.get(m.get.remote(spans))
+    result = RetrieveResult.of(ray.get(m.get.remote(spans)))
     assert result.tiers == ["disk"] * 4
     check_bytes(spans, result)
     ray.get(m.prefetch.remote("no-cpu", spans))
     assert ray.get(m.wait.remote("no-cpu")) == tokens(4)
-    check_bytes(spans, ray.get(m.get.remote(spans, "no-cpu")))
+    check_bytes(spans, RetrieveResult.of(ray.get(m.get.remote(spans, "no-cpu"))))
     assert ray.get(m.stats.remote())["open_lookups"] == 0
 
 
@@ -457,5 +458,5 @@ def test_a_blackholed_remote_still_gives_cpu_hits_within_the_clients_timeout(
         assert ray.get(m.lookup.remote(longer), timeout=1.0) == tokens(4)  # the client's budget
         assert time.monotonic() - t0 < 1.0
         time.sleep(0.3)
-    result = ray.get(m.get.remote(longer), timeout=4.0)
+    result = RetrieveResult.of(ray.get(m.get.remote(longer), timeout=4.0))
     check_bytes(spans, result)

@@ -85,22 +85,41 @@ def test_packed_keys_round_trip_through_pickle_and_mixed_identities_stay_a_list(
     assert unpack_keys(PackedSpans.of(spans)) == keys  # packed spans are packed keys
 
 
-def test_retrieve_result_pickles_each_batch_ref_and_meta_once_and_round_trips():
+def test_retrieve_result_wire_holds_each_batch_ref_and_meta_once_and_round_trips():
     import pickle
 
-    from raykv.wire import RetrieveResult
+    from raykv.wire import RESULT_WIRE, RetrieveResult
 
     full, tail = PayloadMeta("float16", (2, 1, 4, 8)), PayloadMeta("float16", (2, 1, 2, 8))
     chunks = [ChunkRef("batch-a", i, PayloadMeta("float16", (2, 1, 4, 8))) for i in range(3)]
     chunks += [ChunkRef("batch-b", 0, full), ChunkRef("batch-b", 1, tail)]
     result = RetrieveResult(chunks, 18, [TIER_CPU] * 3 + [TIER_DISK] * 2)
-    _, (packed, hit_tokens, tiers) = result.__reduce__()
-    refs, which, index, metas, meta_of = packed
-    assert refs == ["batch-a", "batch-b"] and which == [0, 0, 0, 1, 1]
-    assert metas == [full, tail] and meta_of == [0, 0, 0, 0, 1] and index == [0, 1, 2, 0, 1]
-    again = pickle.loads(pickle.dumps(result))
-    assert again == result and again.hit_chunks == 5 and again.tiers == result.tiers
-    assert pickle.loads(pickle.dumps(RetrieveResult())) == RetrieveResult()
+    wire = result.wire()
+    tag, refs, which, index, metas, meta_of, hit_tokens, tiers = wire
+    assert tag == RESULT_WIRE and refs == ["batch-a", "batch-b"] and which == [0, 0, 0, 1, 1]
+    assert metas == [("float16", (2, 1, 4, 8), "KV_2LTD"), ("float16", (2, 1, 2, 8), "KV_2LTD")]
+    assert meta_of == [0, 0, 0, 0, 1] and index == [0, 1, 2, 0, 1] and hit_tokens == 18
+    for again in (RetrieveResult.of(wire), pickle.loads(pickle.dumps(result))):
+        assert again == result and again.hit_chunks == 5 and again.tiers == result.tiers
+    assert RetrieveResult.of(result) is result
+    assert RetrieveResult.of(RetrieveResult().wire()) == RetrieveResult()
+    with pytest.raises(ValueError, match="not a RetrieveResult"):
+        RetrieveResult.of(("other", [], [], [], [], [], 0, []))
+
+
+def test_spans_wire_tuple_splits_like_the_spans_and_a_malformed_one_is_a_clear_error():
+    from raykv.tiers.index import as_keys
+    from raykv.wire import SPANS_WIRE
+
+    spans = [ChunkSpan(i * 4, i * 4 + 4, key(i)) for i in range(3)]
+    wire = PackedSpans.of(spans).wire()
+    assert wire[0] == SPANS_WIRE and split_spans(wire) == split_spans(spans)
+    assert split_spans(list(wire)) == split_spans(spans)  # a list after a msgpack hop
+    assert as_keys(wire) == [s.key for s in spans]
+    with pytest.raises(InvalidInputError, match="malformed spans wire form"):
+        split_spans((SPANS_WIRE, ("m", 1, 0), ["a"], [4]))
+    with pytest.raises(InvalidInputError, match="malformed spans wire form"):
+        split_spans((SPANS_WIRE, ("m", 1, 0, "float16"), ["a", "b"], [4]))
 
 
 def test_cpu_ack_of_another_incarnation_drops_the_cpu_index():
