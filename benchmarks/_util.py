@@ -17,6 +17,17 @@ def median_seconds(
 ) -> float:
     """Median wall time of `fn` over `repeats` runs after `warmup` unmeasured runs;
     `setup` (untimed) runs before each measured run."""
+    return statistics.median(repeat_seconds(fn, repeats, warmup, setup))
+
+
+def repeat_seconds(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[], object] | None = None,
+) -> list[float]:
+    """Wall times of `fn` over `repeats` runs, as `median_seconds` takes them (for a
+    figure's min-max: `spread` of the result)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -26,7 +37,7 @@ def median_seconds(
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -252,7 +252,8 @@ def summary_of(results: list[Result]) -> Summary:
         b_ttft = statistics.mean(base.ttft) * 1000 if base and base.ttft else None
         summary.row(f"{r.router} hit tokens", r.hit_tokens, "tokens", "random router", b_hits)
         ttft = statistics.mean(r.ttft) * 1000 if r.ttft else float("nan")
-        summary.row(f"{r.router} mean TTFT", ttft, "ms", "random router", b_ttft)
+        rng = (min(r.ttft) * 1000, max(r.ttft) * 1000) if r.ttft else None
+        summary.row(f"{r.router} mean TTFT", ttft, "ms", "random router", b_ttft, rng)
     aware = next((r for r in results if r.router == "cache_aware"), None)
     if base and aware and base.ttft and aware.ttft:
         ratio = aware.hit_tokens / base.hit_tokens if base.hit_tokens else float("inf")

@@ -197,7 +197,15 @@ def bench_model(args: argparse.Namespace) -> None:
         warms = [warm() for _ in range(repeats)]
         fw, fc = (statistics.median(x) for x in zip(*fulls, strict=True))
         ww, wc = (statistics.median(x) for x in zip(*warms, strict=True))
-        SUMMARY.row(f"suffix-only prefill, {p}-token prefix (CPU s)", wc, "s", "full prefill", fc)
+        warm_cpu = [c for _, c in warms]
+        SUMMARY.row(
+            f"suffix-only prefill, {p}-token prefix (CPU s)",
+            wc,
+            "s",
+            "full prefill",
+            fc,
+            value_range=(min(warm_cpu), max(warm_cpu)),
+        )
         print(
             f"{p:>7} {fw:>9.3f} {ww:>12.3f} {fw / ww:>8.1f}x"
             f" {fc:>9.3f} {wc:>12.3f} {fc / wc:>8.1f}x"

@@ -15,7 +15,7 @@ import platform
 
 import numpy as np
 
-from benchmarks._util import Summary, median_seconds, print_table
+from benchmarks._util import Summary, median_seconds, print_table, repeat_seconds, spread
 from raykv.keys import KeyMaker
 from raykv.payload import PayloadMeta, decode, encode
 
@@ -40,12 +40,20 @@ def bench_hashing(repeats: int, summary: Summary) -> None:
         tokens = np.random.default_rng(n).integers(0, 128_000, n)
         as_list = tokens.tolist()
         floor = median_seconds(lambda: tokens.astype("<i4").tobytes(), repeats)
-        t_np = median_seconds(lambda: maker.keys(tokens), repeats)
-        t_list = median_seconds(lambda: maker.keys(as_list), repeats)
+        s_np = spread(repeat_seconds(lambda: maker.keys(tokens), repeats))
+        s_list = spread(repeat_seconds(lambda: maker.keys(as_list), repeats))
+        t_np, t_list = s_np["median"], s_list["median"]
         rows.append([n, t_np * 1e3, n / t_np / 1e6, t_list * 1e3, floor * 1e3, t_np / floor])
         floor_name = "tobytes() of the tokens (floor)"
-        summary.row(f"keys for {n} tokens, numpy input", t_np * 1e3, "ms", floor_name, floor * 1e3)
-        summary.row(f"keys for {n} tokens, list input", t_list * 1e3, "ms", floor_name, floor * 1e3)
+        for kind, s in (("numpy", s_np), ("list", s_list)):
+            summary.row(
+                f"keys for {n} tokens, {kind} input",
+                s["median"] * 1e3,
+                "ms",
+                floor_name,
+                floor * 1e3,
+                value_range=(s["min"] * 1e3, s["max"] * 1e3),
+            )
         if n == 131072:
             summary.goal("128k tokens into keys (numpy input) < 5 ms", t_np * 1e3, t_np < 5e-3)
     print("\n## Key hashing (chunk_size=256, XXH3-128 chain)\n")
@@ -64,14 +72,23 @@ def bench_codec(repeats: int, summary: Summary) -> None:
         meta = PayloadMeta("bfloat16", (2, 8, 256, nbytes // (2 * 8 * 256 * 2)))
         blob = encode(data, meta, key="bench")
         t_copy = median_seconds(data.copy, repeats)
-        t_enc = median_seconds(lambda: encode(data, meta, key="bench"), repeats)
-        t_dec = median_seconds(lambda: decode(blob, expected_key="bench"), repeats)
+        s_enc = spread(repeat_seconds(lambda: encode(data, meta, key="bench"), repeats))
+        s_dec = spread(repeat_seconds(lambda: decode(blob, expected_key="bench"), repeats))
+        t_enc, t_dec = s_enc["median"], s_dec["median"]
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
         rows.append(
             [f"{mib} MiB", gbs(t_copy), gbs(t_enc), t_copy / t_enc, gbs(t_dec), t_copy / t_dec]
         )
-        summary.row(f"encode {mib} MiB", gbs(t_enc), "GB/s", "numpy memcpy", gbs(t_copy))
-        summary.row(f"decode {mib} MiB", gbs(t_dec), "GB/s", "numpy memcpy", gbs(t_copy))
+        for op, s in (("encode", s_enc), ("decode", s_dec)):
+            # GB/s: the slowest repeat gives the minimum, the fastest the maximum
+            summary.row(
+                f"{op} {mib} MiB",
+                gbs(s["median"]),
+                "GB/s",
+                "numpy memcpy",
+                gbs(t_copy),
+                value_range=(gbs(s["max"]), gbs(s["min"])),
+            )
         for op, t in (("encode", t_enc), ("decode", t_dec)):
             ratio = t_copy / t
             summary.goal(f"{op} {mib} MiB >= 0.5x memcpy", round(ratio, 3), ratio >= 0.5)

@@ -232,12 +232,15 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
     )
     summary = Summary()
     for n, m in med.items():
+        r = results[n]
+        ms_range = lambda k: (min(r[k]) * 1000, max(r[k]) * 1000)  # noqa: E731
         summary.row(
             f"{n}-token prefix: TTFT, peer hit",
             m["peer"] * 1000,
             "ms",
             "recompute",
             m["cold"] * 1000,
+            value_range=ms_range("peer"),
         )
         summary.row(
             f"{n}-token prefix: TTFT, local CPU hit",
@@ -245,6 +248,7 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
             "ms",
             "recompute",
             m["cold"] * 1000,
+            value_range=ms_range("local"),
         )
         summary.row(
             f"{n}-token prefix: peer load",
@@ -252,6 +256,7 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
             "ms",
             "raw cross-node ray.get",
             m["raw"] * 1000,
+            value_range=ms_range("load"),
         )
     faster = all(m["peer"] < m["cold"] for m in med.values())
     worst = min(m["cold"] / m["peer"] for m in med.values())

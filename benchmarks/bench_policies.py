@@ -304,7 +304,12 @@ def protocol(ids: list, size: int, n: int, reps: int, summary: Summary, lcs: boo
         if not lcs:
             t = spread([_timed(ours) for _ in range(reps)])
             print(f"  {name:9s} {n / t['median'] / 1e6:5.2f}")
-            summary.row(f"{name} protocol path", n / t["median"] / 1e6, "M req/s")
+            summary.row(
+                f"{name} protocol path",
+                n / t["median"] / 1e6,
+                "M req/s",
+                value_range=(n / t["max"] / 1e6, n / t["min"] / 1e6),
+            )
             continue
         t_ours, t_base = interleave(ours, lcs_request_loop(ids, name, size), reps)
         label = f"libCacheSim {init} get() loop" + ("" if twin else " (nearest)")
@@ -350,7 +355,10 @@ def bench_pinned_evict(n: int, repeats: int, summary: Summary) -> None:
                 policy.insert(key)
         print(f"  {name:7s} {statistics.median(times) * 1e6:8.2f} us per victim")
         summary.row(
-            f"evict {name}, {n:,} entries, 50% pinned", statistics.median(times) * 1e6, "us"
+            f"evict {name}, {n:,} entries, 50% pinned",
+            statistics.median(times) * 1e6,
+            "us",
+            value_range=(min(times) * 1e6, max(times) * 1e6),
         )
 
 

@@ -233,18 +233,31 @@ def summary_of(results: dict[int, Samples]) -> Summary:
         series["cold (full prefill)"].append([n, cold])
         series["ideal"].append([n, ideal])
         summary.row(
-            f"{n // 1024}k ideal TTFT (prefix in model cache)", ideal, "s", "cold TTFT", cold
+            f"{n // 1024}k ideal TTFT (prefix in model cache)",
+            ideal,
+            "s",
+            "cold TTFT",
+            cold,
+            value_range=(min(s.ideal), max(s.ideal)),
         )
         for tier in TIERS:
             warm = statistics.median(s.warm[tier])
             series.setdefault(f"warm from {tier}", []).append([n, warm])
-            summary.row(f"{n // 1024}k warm TTFT from {tier}", warm, "s", "cold TTFT", cold)
+            summary.row(
+                f"{n // 1024}k warm TTFT from {tier}",
+                warm,
+                "s",
+                "cold TTFT",
+                cold,
+                value_range=(min(s.warm[tier]), max(s.warm[tier])),
+            )
             summary.row(
                 f"{n // 1024}k raykv load from {tier}",
                 statistics.median(s.load[tier]),
                 "s",
                 "ideal TTFT",
                 ideal,
+                value_range=(min(s.load[tier]), max(s.load[tier])),
             )
             frac = ideal / warm
             if n < 4096:  # the goals are set at 4k and 8k; shorter contexts only plot

@@ -211,6 +211,11 @@ def spread(values: list[float]) -> str:
     return f"{min(values) * 1000:.0f}-{max(values) * 1000:.0f}"
 
 
+def ms_range(m: dict[str, float], key: str) -> tuple[float, float]:
+    """Min and max in ms over the samples of `key` ("cold" or "warm") behind a median."""
+    return m[f"{key}_min"] * 1e3, m[f"{key}_max"] * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4k only, 2 repeats, short chat")
@@ -289,6 +294,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "cached": statistics.median(r["cached"] for r in mine),
                 "cold_spread": spread([r["cold"] for r in mine]),
                 "warm_spread": spread([r["warm"] for r in mine]),
+                "cold_min": min(r["cold"] for r in mine),
+                "cold_max": max(r["cold"] for r in mine),
+                "warm_min": min(r["warm"] for r in mine),
+                "warm_max": max(r["warm"] for r in mine),
             }
     table = []
     for n in args.lengths:
@@ -322,6 +331,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "ms",
                 "vLLM prefix-cache hit",
                 plain["warm"] * 1e3,
+                value_range=ms_range(cpu, "warm"),
             )
             summary.row(
                 f"{n}: cold prefill, connector saving",
@@ -329,6 +339,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "ms",
                 "plain vLLM cold",
                 plain["cold"] * 1e3,
+                value_range=ms_range(cpu, "cold"),
             )
             summary.row(
                 f"{n}: TTFT raykv CPU hit vs cold",
@@ -336,6 +347,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "ms",
                 "plain vLLM cold",
                 plain["cold"] * 1e3,
+                value_range=ms_range(cpu, "warm"),
             )
             goals["cpu_vs_vllm"].append(cpu["warm"] / plain["warm"])
             goals["save_overhead"].append(cpu["cold"] / plain["cold"])
@@ -348,6 +360,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                     "ms",
                     "raykv CPU hit",
                     cpu["warm"] * 1e3,
+                    value_range=ms_range(m, "warm"),
                 )
                 goals[f"{tier}_vs_cpu"].append(m["warm"] / cpu["warm"])
         off = med.get("offload", {}).get(n)
@@ -358,6 +371,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "ms",
                 "vLLM prefix-cache hit",
                 plain["warm"] * 1e3,
+                value_range=ms_range(off, "warm"),
             )
     for key, text, limit in (
         ("cpu_vs_vllm", "raykv-CPU warm TTFT <= 1.3x vLLM's own prefix-cache hit", 1.3),
