@@ -1,6 +1,8 @@
 """Run every raykv benchmark, each in its own subprocess, and write one report.
 
     python -m benchmarks [--quick] [--only keys,policies] [--no-write] [--out PATH]
+    python -m benchmarks --record run.json     # also save the run
+    python -m benchmarks --render run.json     # rewrite the report from it (new NOTES)
 
 Each benchmark runs as `python -m benchmarks.bench_NAME [--quick] --json TMP` under a
 time limit, in a fresh process (so Ray instances and memory never leak from one to
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -561,7 +563,40 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print each benchmark's output as it ends"
     )
+    parser.add_argument(
+        "--record",
+        metavar="JSON",
+        help="also save the run (outputs, summaries, machine) to JSON, for --render",
+    )
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="run nothing: rewrite the report from a run saved with --record, with the "
+        "modules' current NOTES (analysis written after the run)",
+    )
     return parser
+
+
+def save_run(path: Path, outcomes: Sequence[Outcome], meta: dict[str, Any]) -> None:
+    """Save a finished run (see `--record`): every outcome and the report's header facts."""
+    runs = [{k: v for k, v in asdict(o).items() if k != "plots"} for o in outcomes]
+    path.write_text(json.dumps({"meta": meta, "outcomes": runs}, indent=1), encoding="utf-8")
+
+
+def load_run(path: Path) -> tuple[list[Outcome], dict[str, Any]]:
+    """A run saved by `save_run`: its outcomes and header facts (`started` as a datetime)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    meta = dict(data["meta"])
+    meta["started"] = datetime.datetime.fromisoformat(meta["started"])
+    return [Outcome(**o) for o in data["outcomes"]], meta
+
+
+def write_report(out: Path, outcomes: Sequence[Outcome], meta: dict[str, Any]) -> None:
+    """Draw the plots beside `out` and write the report there."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    draw_plots(outcomes, out.parent)
+    out.write_text(render_report(outcomes, **meta), encoding="utf-8")
+    print(f"report written to {out}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") -> int:
@@ -569,6 +604,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.render:
+        outcomes, meta = load_run(Path(args.render))
+        print_summary(outcomes)
+        if not args.no_write:
+            write_report(Path(args.out), outcomes, meta)
+        return 0 if all(o.status == "ok" for o in outcomes) else 1
     try:
         specs = select(args.only)
     except ValueError as exc:
@@ -600,22 +641,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     load_end = load_average()
     print_summary(outcomes)
     print(f"\ntotal {total / 60:.1f} min; load average {load_start} -> {load_end}")
+    meta = {
+        "command": command,
+        "quick": args.quick,
+        "started": started,
+        "total_seconds": total,
+        "machine": machine,
+        "load_start": load_start,
+        "load_end": load_end,
+    }
+    if args.record:
+        save_run(Path(args.record), outcomes, {**meta, "started": started.isoformat()})
     if not args.no_write:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        draw_plots(outcomes, out.parent)
-        out.write_text(
-            render_report(
-                outcomes,
-                command=command,
-                quick=args.quick,
-                started=started,
-                total_seconds=total,
-                machine=machine,
-                load_start=load_start,
-                load_end=load_end,
-            ),
-            encoding="utf-8",
-        )
-        print(f"report written to {out}")
+        write_report(Path(args.out), outcomes, meta)
     return 0 if all(o.status == "ok" for o in outcomes) else 1

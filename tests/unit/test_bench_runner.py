@@ -234,3 +234,25 @@ def test_a_goal_the_benchmark_marked_noisy_reads_noisy_not_met_or_missed() -> No
         {"goals": [{"goal": "g", "value": 1.4, "met": None, "noisy": True}]},
     )
     assert runner.goal_rows([outcome]) == [["datapath", "g", 1.4, "noisy"]]
+
+
+def test_a_recorded_run_renders_the_same_report_without_running_anything(tmp_path: Path) -> None:
+    outcomes = canned_outcomes()
+    meta = {
+        "command": "python -m benchmarks --quick --only keys,tiers,ttft",
+        "quick": True,
+        "started": "2026-11-22T06:00:00+00:00",
+        "total_seconds": 495.6,
+        "machine": {"CPU": "Canned CPU, 2 cores", "memory": "24.0 GiB", "GPU": "none"},
+        "load_start": "1.00, 2.00, 3.00",
+        "load_end": "4.00, 5.00, 6.00",
+    }
+    saved = tmp_path / "run.json"
+    runner.save_run(saved, outcomes, meta)
+    out = tmp_path / "report" / "BENCHMARKS.md"
+    code = runner.main(["--render", str(saved), "--out", str(out)])
+    assert code == 1  # a canned benchmark failed and one timed out: still said so
+    expected = canned_outcomes()
+    runner.draw_plots(expected, tmp_path)
+    assert out.read_text(encoding="utf-8") == render(expected)
+    assert (tmp_path / "report" / "bench_canned_curve.png").exists()
