@@ -58,14 +58,13 @@ ROUTERS = ("random", "pow2", "cache_aware")
 
 TITLE = "Cache-aware routing"
 NOTES = """\
-Hand-written analysis (the figures are the table above, from the run this report
-records): cache-aware routing should give well over 1.5x random's hit tokens with 12
-users x 5 turns (earlier full runs on 2026-11-22: 1.76x, 1.84x, 1.85x; pow2, Serve's
-default, 1.1-1.2x) and the lowest mean TTFT. Since 2026-11-22 08:40 UTC the router
-no longer uses Serve's `FIFOMixin`, which handed a replica chosen for one request to
-the oldest pending one (two requests are in flight here). `--quick` (8 users x 4
-turns, little history to reuse) gives only about 1.2-1.3x, so the 1.5x goal is
-expected to be missed in quick mode.
+Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
+UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): with 12 users x 5 turns, cache-aware
+routing gave 1.65x random's hit tokens (0.58 against 0.35 of the prompt tokens) and the
+lowest mean TTFT (107 ms against 157 random, 163 pow2, Serve's default, which gave 0.94x
+random's hits). The TTFT range of a router is the spread over its requests (different
+prompts), not run-to-run noise. `--quick` (8 users x 4 turns, little history to reuse)
+gives only about 1.2-1.3x, so the 1.5x goal is expected to be missed in quick mode.
 """
 CHUNK = 64
 MODEL: dict[str, Any] = {

@@ -36,14 +36,14 @@ SUMMARY = Summary()
 
 TITLE = "Connector and prefill"
 NOTES = """\
-Hand-written analysis (figures quoted here are from the full run of 2026-11-22, CPU
-only: no GPU was lent to that task, so the CUDA path was unmeasured). With 32 layers
-x 8 KV heads x 128 head_dim, bf16, 1,024 tokens (128 MB), 1 thread, the paged layout
-reached 0.80x `index_select` on `to_payloads` and 0.52x `clone()` on `from_payloads`;
-the contiguous layout 1.55x and 3.31x. On the demo model (8 layers, hidden 512, GQA
-8/2, fp32, CPU) with a 256-token suffix, the ideal speedup (full prefill / suffix-only
-prefill with the prefix KV already in the model's cache, CPU seconds) was 2.8x at 1k,
-8.5x at 4k and 12.2x at 8k.
+Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
+UTC, commit 2426809, 2 cores, load 0.5 -> 3.2), CPU only: no GPU was lent to this task,
+so the CUDA path is unmeasured). With 32 layers x 8 KV heads x 128 head_dim, bf16, 2,048
+tokens, the paged layout reached 0.94x `index_select` on `to_payloads` and 0.73x
+`index_copy_` into the same buffers on `from_payloads`; the contiguous layout 0.87x and
+1.34x. On the demo model (8 layers, hidden 512, fp32, CPU) with a 256-token suffix, the
+ideal speedup (full prefill / suffix-only prefill with the prefix KV already in the
+model's cache) was 3.2x at 1k, 8.6x at 4k and 15.7x at 8k.
 """
 
 

@@ -21,14 +21,16 @@ from raykv.payload import PayloadMeta, decode, encode
 
 TITLE = "Keys and codec"
 NOTES = """\
-Hand-written analysis (figures quoted here are from the full run of 2026-11-22, not
-from this report's run): 128k tokens took 0.95 ms from a numpy array and 3.8 ms from
-a Python list, whose conversion to int32 dominates. The hashing itself is ~0.1 ms for
-128k tokens; the rest is building 512 `CacheKey`s.
+Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
+UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): 128k tokens took 0.80 ms from a numpy
+array and 2.65 ms from a Python list, whose conversion to int32 dominates. Keys are
+`CacheKey` named tuples since 2026-11-25, built in C from the hash chain; the hashing
+itself is most of the numpy figure.
 
-Codec decode is zero-copy (checksum only), hence > 1x memcpy. `encode` returns a numpy
-buffer rather than `bytes`: allocating and filling a 32 MiB `bytes` ran at 1.9 GB/s
-against 4.4 GB/s for numpy.
+Codec decode is zero-copy (checksum only), hence > 1x memcpy (1.39x at 2 MiB, 3.42x at
+32 MiB). `encode` returns a numpy buffer rather than `bytes` and reached 0.60x / 0.69x
+memcpy: allocating and filling a 32 MiB `bytes` ran at 1.9 GB/s against 4.4 GB/s for
+numpy in an earlier run.
 """
 
 

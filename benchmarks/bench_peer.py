@@ -58,20 +58,15 @@ from raykv.keys import KeyMaker  # noqa: E402
 
 TITLE = "Peer tier vs recompute (2-node cluster)"
 NOTES = """\
-Hand-written analysis (figures from `python -m benchmarks.bench_peer`, 2026-11-22 07:49
-UTC, load 1.2): a peer hit cut TTFT 2.8x / 7.2x / 12.0x against recomputing a 1k / 4k /
-8k-token prefix (197 / 960 / 2237 ms cold vs 70 / 133 / 187 ms). The peer load itself
-(lookup + retrieve) took 51 / 91 / 118 ms, 3-4x a raw cross-node `ray.get` of the same
-bytes (13 / 30 / 38 ms): the peer path is three actor hops (B's manager asks the
-controller, B's CPUStore asks A's manager) and two copies (A's manager gathers the
-chunks into one new object that B's CPUStore owns). Returning refs to A's original
-batch objects would save a copy but move whole batches. A local CPU hit after the
-promotion is another 1.8-2.4x faster than the peer hit.
-
-Since 2026-11-23 B's CPUStore re-puts what it promotes from a peer (a third copy): a
-task's return stays in the object store of the node that ran it, so before that A's
-object store held the bytes B's budget counted. Cost at 8k tokens, back-to-back runs
-on a noisy box (load 1.3-1.9): peer load 158 / 231 ms before, 224 / 226 ms after.
+Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
+UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): a peer hit cut TTFT 3.0x / 8.7x / 17.0x
+against recomputing a 1k / 4k / 8k-token prefix (114 / 746 / 2139 ms cold vs 38 / 85 /
+126 ms). The peer load itself (lookup + retrieve) took 27 / 58 / 76 ms, 2.6-4.0x a raw
+cross-node `ray.get` of the same bytes (7 / 18 / 30 ms): the peer path is three actor
+hops (B's manager asks the controller, B's CPUStore asks A's manager) and three copies
+(A's manager gathers the chunks into one new object, B's CPUStore re-puts it so that B's
+object store holds what B's budget counts). A local CPU hit after the promotion is
+another 2.1-2.5x faster than the peer hit.
 """
 CHUNK, SUFFIX = 64, 64
 # K and V x layers x kv heads x head dim x fp32

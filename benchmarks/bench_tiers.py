@@ -57,16 +57,28 @@ from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\
-Hand-written analysis (figures quoted here are from the full run of 2026-11-22, with
-load average 3-5 on 2 cores, figures swinging up to 2x between runs: read the ratios).
+Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
+UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)).
+
+Lookups: answered from the manager's index, a lookup cost 1.29x / 1.32x / 1.52x one
+trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met). Since
+2026-11-25 a `KVCache` sends the spans as one plain tuple (`PackedSpans.wire()`: msgpack,
+not pickle) and `CacheKey` is a named tuple (512 keys built, hashed and compared in C):
+the 512-chunk lookup was 3.14x in the 2026-11-23 run. When the remote third of the
+prefix is unknown to the index (another instance wrote it), the manager now asks the
+remote server itself (its own `RemoteStore` probe, not the remote tier's actor: one hop
+less), 2.53x / 2.67x / 3.15x (3.9x / 4.3x / 5.4x in a `--quick` run just before
+that change): missed. Client -> manager ->
+KVServer are two sequential round trips, so 2.0x is out of reach while the manager is
+the only one that asks; it would take the client probing the remote itself, or the
+remote pushing its new keys to the managers.
 
 Why put misses its goal: a store that must own its objects (so data outlives the
 writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
-copied twice. Pulling from a producer actor (what a GPU worker does) copies once
-and reached 0.76-0.83x. Get pays for returning ObjectRefs through the manager
-(~0.5-0.7 ms) on top of the round trip. Lookups ship keys in a packed form
-(`PackedSpans`); a plain list of 512 `ChunkSpan`s costs about 6x a round trip.
-In that run lookup met its goal up to 128 chunks; 512 was just over (2.1x).
+copied twice (0.40x / 0.46x of one raw batched `ray.put`). Pulling from a producer
+actor (what a GPU worker does) copies once. Get into preallocated buffers is 1.22x /
+1.03x its baseline (actor RTT + raw batched `ray.get` + the same copies): the manager
+call carries the request's keys and returns the refs.
 """
 
 MiB = 1 << 20

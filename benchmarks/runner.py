@@ -440,8 +440,10 @@ def render_report(
     machine: dict[str, str],
     load_start: str,
     load_end: str,
+    rendered: str | None = None,
 ) -> str:
-    """The Markdown report: header, machine, summary tables, then one section per benchmark."""
+    """The Markdown report: header, machine, summary tables, then one section per benchmark.
+    `rendered`: the command that rewrote it later from the recorded run (`--render`)."""
     mode = "quick (every benchmark's `--quick`: smaller sizes, fewer repeats)" if quick else "full"
     out = [
         "# raykv benchmarks",
@@ -456,6 +458,14 @@ def render_report(
         f"- command: `{command}`",
         f"- mode: {mode}",
         f"- total wall time: {total_seconds / 60:.1f} min",
+        *(
+            [
+                f"- rewritten from that run's record by `{rendered}`, with the modules' "
+                "`NOTES` as they are now (written after the run); the figures are the run's"
+            ]
+            if rendered
+            else []
+        ),
         "",
         "## Machine",
         "",
@@ -608,7 +618,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
         outcomes, meta = load_run(Path(args.render))
         print_summary(outcomes)
         if not args.no_write:
-            write_report(Path(args.out), outcomes, meta)
+            rendered = shlex.join([*prog.split(), "--render", Path(args.render).name])
+            write_report(Path(args.out), outcomes, {**meta, "rendered": rendered})
         return 0 if all(o.status == "ok" for o in outcomes) else 1
     try:
         specs = select(args.only)
