@@ -249,8 +249,9 @@ class KVCache:
         clients see the chunks once the CPU tier has them; this client's own lookups,
         retrieves, stats and flushes first wait for its staged stores.
         """
+        tokens = as_token_array(tokens)  # once: the key maker takes it as it is
         spans = self.spans(tokens, mask)
-        n_tokens = len(as_token_array(tokens))
+        n_tokens = len(tokens)
         limit = self.config.priority_limit
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise InvalidInputError(f"priority must be an int or None, got {priority!r}")
@@ -468,9 +469,8 @@ class KVCache:
     ) -> list[tuple[ChunkSpan, torch.Tensor]]:
         """Zero-copy tensors of the leading chunks that hold this model's KV."""
         num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
-        expected: dict[
-            int, PayloadMeta
-        ] = {}  # by chunk length: one meta per request, not per chunk
+        # One expected meta per chunk length (a request has one or two), not one per chunk.
+        expected: dict[int, PayloadMeta] = {}
         good = 0
         for span, buf, meta in chunks:
             n = span.end - span.start

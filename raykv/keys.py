@@ -24,6 +24,7 @@ from raykv.errors import InvalidInputError
 
 DEFAULT_HASH_SEED = "raykv-v1"
 _INT32_MAX = 2**31 - 1
+_LE_INT32 = np.dtype("<i4")
 # Engine-provided hashes live in their own domain so they never collide with ours.
 _EXTERNAL_TAG = b"\x01ext"
 _SAFE_CHARS = re.compile(r"[A-Za-z0-9._-]")
@@ -161,6 +162,17 @@ def as_token_array(tokens: Any) -> np.ndarray:
 
     Raises `InvalidInputError` for anything that is not 1-D integers in [0, 2**31).
     """
+    if (
+        type(tokens) is np.ndarray
+        and tokens.dtype == _LE_INT32
+        and tokens.ndim == 1
+        and tokens.flags.c_contiguous
+    ):  # already normalised (a store hashes what it checked): only the sign to check
+        if tokens.size and int(tokens.min()) < 0:
+            raise InvalidInputError(
+                f"token ids must lie in [0, {_INT32_MAX}], got min={int(tokens.min())}"
+            )
+        return tokens
     if type(tokens).__module__.startswith("torch"):
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):

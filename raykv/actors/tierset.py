@@ -119,6 +119,8 @@ class TierSet:
     async def resync(self, tier: str) -> None:
         """Rebuild one tier's index from the tier itself (re-creating a dead tier first)."""
         handle = self.handles[tier]
+        if tier == TIER_REMOTE:
+            self._probe = None  # the server may have been re-created: find it again
         try:
             if tier == TIER_CPU:
                 inc, snap, seq = await asyncio.wait_for(
