@@ -15,6 +15,7 @@ from raykv.errors import PayloadError
 from raykv.payload import (
     PayloadMeta,
     buffer_to_tensor,
+    buffers_to_tensors,
     decode,
     encode,
     read_header,
@@ -69,6 +70,19 @@ def test_buffer_to_tensor_is_zero_copy_unless_asked():
     arr, meta = tensor_to_buffer(t)
     assert buffer_to_tensor(arr, meta).data_ptr() == arr.ctypes.data
     assert buffer_to_tensor(arr, meta, copy=True).data_ptr() != arr.ctypes.data
+
+
+def test_buffers_to_tensors_are_zero_copy_views_like_buffer_to_tensor():
+    tensors = [_tensor("float16"), _tensor("bfloat16")]
+    pairs = [tensor_to_buffer(t) for t in tensors]
+    arrs, metas = [a for a, _ in pairs], [m for _, m in pairs]
+    arrs[1] = arrs[1].view(np.int16)  # not uint8: still read as its bytes
+    arrs[0].setflags(write=False)  # as ray.get hands them out
+    out = buffers_to_tensors(arrs, metas)
+    for got, arr, t, meta in zip(out, arrs, tensors, metas, strict=True):
+        assert got.data_ptr() == arr.ctypes.data and _same_bits(got, t)
+        assert _same_bits(got, buffer_to_tensor(arr, meta))
+    assert buffers_to_tensors([], []) == []
 
 
 def test_buffer_to_tensor_accepts_read_only_buffers():
