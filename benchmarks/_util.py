@@ -40,6 +40,11 @@ def repeat_seconds(
     return times
 
 
+def extent(values: Sequence[float], scale: float = 1.0) -> tuple[float, float]:
+    """(min, max) of a figure's samples, times `scale` (a row's `value_range`)."""
+    return min(values) * scale, max(values) * scale
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Print a plain, aligned text table (also valid Markdown)."""
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]

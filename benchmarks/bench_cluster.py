@@ -51,7 +51,7 @@ import ray  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import Summary, print_table  # noqa: E402
+from benchmarks._util import Summary, extent, print_table  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 
 ROUTERS = ("random", "pow2", "cache_aware")
@@ -251,7 +251,7 @@ def summary_of(results: list[Result]) -> Summary:
         b_ttft = statistics.mean(base.ttft) * 1000 if base and base.ttft else None
         summary.row(f"{r.router} hit tokens", r.hit_tokens, "tokens", "random router", b_hits)
         ttft = statistics.mean(r.ttft) * 1000 if r.ttft else float("nan")
-        rng = (min(r.ttft) * 1000, max(r.ttft) * 1000) if r.ttft else None
+        rng = extent(r.ttft, 1000) if r.ttft else None
         summary.row(f"{r.router} mean TTFT", ttft, "ms", "random router", b_ttft, rng)
     aware = next((r for r in results if r.router == "cache_aware"), None)
     if base and aware and base.ttft and aware.ttft:

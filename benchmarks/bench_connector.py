@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks._util import Summary, spread
+from benchmarks._util import Summary, extent, spread
 from raykv.connector import GPUConnector
 
 CHUNK = 256
@@ -204,7 +204,7 @@ def bench_model(args: argparse.Namespace) -> None:
             "s",
             "full prefill",
             fc,
-            value_range=(min(warm_cpu), max(warm_cpu)),
+            value_range=extent(warm_cpu),
         )
         print(
             f"{p:>7} {fw:>9.3f} {ww:>12.3f} {fw / ww:>8.1f}x"

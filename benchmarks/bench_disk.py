@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks._util import (
     Summary,
+    extent,
     judge,
     median_seconds,
     redis_server_class,
@@ -253,7 +254,7 @@ def bench_reopen(root: Path, count: int, reps: int) -> None:
         f"reopen a directory of {count} chunk files",
         t,
         "s",
-        value_range=(min(times), max(times)),
+        value_range=extent(times),
     )
 
 

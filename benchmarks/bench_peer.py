@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import Summary, print_table  # noqa: E402
+from benchmarks._util import Summary, extent, print_table  # noqa: E402
 from benchmarks.bench_cluster import MODEL  # noqa: E402  (the same small demo model)
 from raykv.actors.controller import wait_listed  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
@@ -228,14 +228,13 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
     summary = Summary()
     for n, m in med.items():
         r = results[n]
-        ms_range = lambda k: (min(r[k]) * 1000, max(r[k]) * 1000)  # noqa: E731
         summary.row(
             f"{n}-token prefix: TTFT, peer hit",
             m["peer"] * 1000,
             "ms",
             "recompute",
             m["cold"] * 1000,
-            value_range=ms_range("peer"),
+            value_range=extent(r["peer"], 1000),
         )
         summary.row(
             f"{n}-token prefix: TTFT, local CPU hit",
@@ -243,7 +242,7 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
             "ms",
             "recompute",
             m["cold"] * 1000,
-            value_range=ms_range("local"),
+            value_range=extent(r["local"], 1000),
         )
         summary.row(
             f"{n}-token prefix: peer load",
@@ -251,7 +250,7 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace)
             "ms",
             "raw cross-node ray.get",
             m["raw"] * 1000,
-            value_range=ms_range("load"),
+            value_range=extent(r["load"], 1000),
         )
     faster = all(m["peer"] < m["cold"] for m in med.values())
     worst = min(m["cold"] / m["peer"] for m in med.values())

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._util import Summary, interleave, judge, spread  # noqa: E402
+from benchmarks._util import Summary, extent, interleave, judge, spread  # noqa: E402
 from raykv.policies import known_policies, make_policy, replay  # noqa: E402
 from raykv.simulate import load_trace  # noqa: E402
 
@@ -360,7 +360,7 @@ def bench_pinned_evict(n: int, repeats: int, summary: Summary) -> None:
             f"evict {name}, {n:,} entries, 50% pinned",
             statistics.median(times) * 1e6,
             "us",
-            value_range=(min(times) * 1e6, max(times) * 1e6),
+            value_range=extent(times, 1e6),
         )
 
 

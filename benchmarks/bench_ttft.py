@@ -53,7 +53,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
+from benchmarks._util import Summary, extent, print_table, redis_server_class  # noqa: E402
 from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.demo.gpu_worker import ModelWorker  # noqa: E402
@@ -235,7 +235,7 @@ def summary_of(results: dict[int, Samples]) -> Summary:
             "s",
             "cold TTFT",
             cold,
-            value_range=(min(s.ideal), max(s.ideal)),
+            value_range=extent(s.ideal),
         )
         for tier in TIERS:
             warm = statistics.median(s.warm[tier])
@@ -246,7 +246,7 @@ def summary_of(results: dict[int, Samples]) -> Summary:
                 "s",
                 "cold TTFT",
                 cold,
-                value_range=(min(s.warm[tier]), max(s.warm[tier])),
+                value_range=extent(s.warm[tier]),
             )
             summary.row(
                 f"{n // 1024}k raykv load from {tier}",
@@ -254,7 +254,7 @@ def summary_of(results: dict[int, Samples]) -> Summary:
                 "s",
                 "ideal TTFT",
                 ideal,
-                value_range=(min(s.load[tier]), max(s.load[tier])),
+                value_range=extent(s.load[tier]),
             )
             frac = ideal / warm
             if n < 4096:  # the goals are set at 4k and 8k; shorter contexts only plot

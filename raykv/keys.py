@@ -13,7 +13,7 @@ on PYTHONHASHSEED or on the input container (list, numpy array, torch tensor).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -98,6 +98,15 @@ class CacheKey(NamedTuple):
         """The key of `chunk_hash` under `identity` (see `identity`)."""
         model_name, world_size, worker_id, kv_dtype = identity
         return _new_key(cls, (model_name, world_size, worker_id, chunk_hash, kv_dtype))
+
+    @classmethod
+    def many(cls, identity: KeyIdentity, chunk_hashes: Iterable[str]) -> list[CacheKey]:
+        """`of` for every hash (one loop in C-level tuple building: it runs for every key
+        of every request that crosses an actor)."""
+        model_name, world_size, worker_id, kv_dtype = identity
+        return [
+            _new_key(cls, (model_name, world_size, worker_id, h, kv_dtype)) for h in chunk_hashes
+        ]
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:

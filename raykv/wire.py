@@ -163,11 +163,7 @@ class PackedKeys:
         return cls(identity, [k.chunk_hash for k in keys])
 
     def keys(self) -> list[CacheKey]:
-        model_name, world_size, worker_id, kv_dtype = self.identity
-        new = tuple.__new__  # CacheKey.of, inlined: this runs for every key of every request
-        return [
-            new(CacheKey, (model_name, world_size, worker_id, h, kv_dtype)) for h in self.hashes
-        ]
+        return CacheKey.many(self.identity, self.hashes)
 
     def __len__(self) -> int:
         return len(self.hashes)
