@@ -153,19 +153,29 @@ def interleave(
     fn: Callable[[int], object], base: Callable[[int], object], reps: int, between=None
 ) -> tuple[list[float], list[float]]:
     """Times of `fn(i)` and `base(i)`, alternating which goes first; `between` untimed."""
-    fn(-1), base(-1)
+    a, b = interleave_all([fn, base], reps, between)
+    return a, b
+
+
+def interleave_all(
+    fns: Sequence[Callable[[int], object]], reps: int, between=None
+) -> list[list[float]]:
+    """Times of each `fns[k](i)` over `reps` rounds, each round starting one further
+    along the list (each goes first as often); `between` runs untimed after each call."""
+    for f in fns:
+        f(-1)
     if between:
         between()
-    a, b = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(reps):
-        order = ((fn, a), (base, b)) if i % 2 == 0 else ((base, b), (fn, a))
-        for f, out in order:
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
             t0 = time.perf_counter()
-            f(i)
-            out.append(time.perf_counter() - t0)
+            fns[k](i)
+            times[k].append(time.perf_counter() - t0)
             if between:
                 between()
-    return a, b
+    return times
 
 
 def judge(

@@ -125,6 +125,7 @@ class RayKVConfig:
     enable_controller: bool = False  # report chunks to the KVController (aware routing, peer tier)
     max_lower_writes_in_flight: int = 32  # background writes per lower tier; beyond it: skipped
     store_staging_size: float = 0.0  # GB a client stages for background stores; 0: stores wait
+    read_cache_size: float = 0.0  # GB of batch objects a client keeps mapped after reading them
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
@@ -239,6 +240,11 @@ class RayKVConfig:
     def store_staging_bytes(self) -> int:
         """Bytes of a client's background-store staging ring (0: synchronous stores)."""
         return int(self.store_staging_size * GB)
+
+    @property
+    def read_cache_bytes(self) -> int:
+        """Bytes of batch objects a client keeps after reading them (0: none)."""
+        return int(self.read_cache_size * GB)
 
     @property
     def max_local_disk_bytes(self) -> int:
@@ -389,6 +395,7 @@ def _validate(cfg: RayKVConfig) -> None:
         _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
     _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
     _require(cfg, "store_staging_size", cfg.store_staging_size >= 0, "must be >= 0 GB")
+    _require(cfg, "read_cache_size", cfg.read_cache_size >= 0, "must be >= 0 GB")
     if cfg.kv_server_node_id is not None:
         _require(
             cfg,

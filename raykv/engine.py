@@ -34,6 +34,7 @@ from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
+from raykv.readcache import ReadCache
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
 
@@ -84,6 +85,10 @@ class KVCache:
         # then a worker thread does the ray.put and the manager call.
         staging = config.store_staging_bytes
         self._stager = Stager(staging, name=f"raykv-stager-{config.namespace}") if staging else None
+        # Batches read lately, kept mapped (config.read_cache_size > 0): a repeat read of
+        # the same object skips its ray.get. The manager is still asked every time.
+        held = config.read_cache_bytes
+        self._reads = ReadCache(held) if held else None
 
     # ----- keys and validation -----
 
@@ -398,7 +403,8 @@ class KVCache:
         pinned `lookup`) to use what it loaded and release its pins. With
         `return_tiers`, also returns the hit tokens per tier they were found in.
         """
-        hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
+        tokens = as_token_array(tokens)  # once: the key maker takes it as it is
+        hit = np.zeros(len(tokens), dtype=bool)
         self._check_destination(destination, len(hit))
         chunks, tiers = self._fetch(tokens, mask, lookup_id)
         if chunks:
@@ -426,7 +432,8 @@ class KVCache:
     ) -> tuple[list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], list[str]]:
         """The raw payloads of the longest cached prefix of `spans`, and their tiers.
 
-        One manager call for the chunk refs and one `ray.get` of their batches. Each
+        One manager call for the chunk refs and one `ray.get` of their batches (none for
+        batches held in the read cache, `read_cache_size`). Each
         payload is a read-only flat `uint8` array with its `PayloadMeta`, in whatever
         layout it was stored (`put_chunks`). Releases the pins of `lookup_id` (or of
         this client's own pinned lookup of the same prefix). A fault is a shorter prefix.
@@ -441,28 +448,55 @@ class KVCache:
         else:
             self._forget_pin(lookup_id)
         packed = self._packed(spans)
-        for check_cpu in (False, True):
-            plain = lookup_id is None and not check_cpu  # default arguments are not sent
-            args = (packed,) if plain else (packed, lookup_id, check_cpu)
+        reads = self._reads
+        # Objects this client holds are named by id (no refs to register); a miss of
+        # the read cache asks again with refs, a failed read asks the CPU store first.
+        ids = reads is not None and reads.covers([s.key for s in spans])
+        check_cpu = False
+        for _attempt in range(3):
+            if ids:
+                args: tuple = (packed, lookup_id, False, True)
+            elif lookup_id is None and not check_cpu:
+                args = (packed,)  # default arguments are not sent
+            else:
+                args = (packed, lookup_id, check_cpu)
             reply = self._call("get", *args, timeout=self._lookup_timeout * 4, default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
                 return [], []
+            lookup_id = None  # that get released the pins
             refs = list({c.ref: None for c in result.chunks})
-            try:
-                got = ray.get(refs, timeout=self._lookup_timeout * 4)
-            except RayError as exc:
-                # The CPUStore restarted since the manager indexed these refs: ask again.
-                logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
-                lookup_id = None
-                continue
+            if ids:
+                got = reads.held(refs)  # type: ignore[union-attr]
+                if got is None:
+                    ids = False
+                    continue
+            else:
+                try:
+                    got = self._read(refs)
+                except RayError as exc:
+                    # The CPUStore restarted since the manager indexed these refs: ask again.
+                    logger.warning(
+                        "raykv chunk read failed (%s); retrying once", type(exc).__name__
+                    )
+                    if check_cpu:
+                        break
+                    check_cpu = True
+                    continue
             values = dict(zip(refs, got, strict=True))
-            chunks = [
-                (span, values[c.ref][c.index], c.meta)
-                for span, c in zip(spans, result.chunks, strict=False)
-            ]
+            pairs = list(zip(spans, result.chunks, strict=False))
+            if reads is not None:
+                reads.note([span.key for span, _ in pairs], [c.ref for _, c in pairs])
+            chunks = [(span, values[c.ref][c.index], c.meta) for span, c in pairs]
             return chunks, list(result.tiers)
         return [], []
+
+    def _read(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """The values of the batch objects `refs` (from the read cache where held)."""
+        timeout = self._lookup_timeout * 4
+        if self._reads is None:
+            return ray.get(refs, timeout=timeout)
+        return self._reads.read(refs, lambda missing: ray.get(missing, timeout=timeout))
 
     def _materialise(
         self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]]
@@ -634,7 +668,8 @@ class KVCache:
         mask is the generator's return value (`StopIteration.value`).
         """
         self._require_layerwise()
-        hit = np.zeros(len(as_token_array(tokens)), dtype=bool)
+        tokens = as_token_array(tokens)  # once: the key maker takes it as it is
+        hit = np.zeros(len(tokens), dtype=bool)
         self._check_destination(destination, len(hit))
         chunks, _ = self._fetch(tokens, mask, lookup_id)
         if chunks:
@@ -653,8 +688,12 @@ class KVCache:
         """Per-tier entries, bytes, hits and evictions (see `StorageManager.stats`)."""
         self._settle()
         stats = self._call("stats", timeout=30.0, default={})
-        if self._stager is not None and stats:
-            stats["client"] = self._stager.stats()
+        if stats and (self._stager is not None or self._reads is not None):
+            client = stats["client"] = {}
+            if self._stager is not None:
+                client.update(self._stager.stats())
+            if self._reads is not None:
+                client.update(self._reads.stats())
         return stats
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -668,6 +707,8 @@ class KVCache:
     def clear(self) -> None:
         """Empty every tier of this namespace."""
         self._settle()
+        if self._reads is not None:
+            self._reads.clear()
         self._call("clear", timeout=60.0, default=None)
 
     def close(self) -> None:
@@ -676,6 +717,8 @@ class KVCache:
             return
         if self._stager is not None:
             self._stager.close(self._lookup_timeout * 4)
+        if self._reads is not None:
+            self._reads.clear()
         for lookup_id in list(self._pins):
             self.unpin(lookup_id)
         self._pins.clear()

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import selectors
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,7 @@ from raykv.tiers.index import (
     tokens,
 )
 from raykv.tiers.lease import sweep_forever
+from raykv.tiers.remote import RemoteStore
 from raykv.wire import (
     TIER_CPU,
     TIER_DISK,
@@ -84,12 +88,49 @@ def manager_name(node_id: str) -> str:
     return node_scoped_name(STORAGE_MANAGER_NAME, node_id)
 
 
-@ray.remote
-class StorageManager:
-    """The cache's single entry point: write-all puts, prefix lookups across tiers,
+def _extend_remote(segs: list[Segment], n: int, found: int) -> int:
+    """Add the `found` chunks after the first `n` to the plan `segs` as remote hits."""
+    if found:
+        if segs and segs[-1][0] == TIER_REMOTE:
+            segs[-1] = (TIER_REMOTE, segs[-1][1], n + found)
+        else:
+            segs.append((TIER_REMOTE, n, n + found))
+    return n + found
+
+
+@dataclass(slots=True)
+class RemoteProbe:
+    """A lookup waiting for the remote server (`ManagerCore.try_lookup`): `ask` runs on a
+    Ray thread without the manager's lock, `finish_probe` under it."""
+
+    store: RemoteStore
+    trial: bool
+    keys: list[CacheKey]
+    ends: list[int]
+    segs: list[Segment]
+    n: int
+    pin: bool
+    lookup_id: str | None
+    found: list[bool] | None = None
+    error: BaseException | None = None
+
+    def ask(self) -> None:
+        """Ask the server which keys after the first `n` it holds (blocks, bounded)."""
+        try:
+            ask = self.store.contains_blocking
+            self.found = ask(self.keys[self.n :], self.store.timeout_s)  # type: ignore[misc]
+        except Exception as exc:  # a timeout, a dead server: a miss, counted
+            self.error = exc
+
+
+class ManagerCore:
+    """The manager's state and logic: write-all puts, prefix lookups across tiers,
     prefetch into CPU, and gets that promote lower-tier hits into CPU.
 
-    Every method runs on one event loop, so prefetch tasks can be awaited by `wait`/`get`.
+    Its coroutines run on one event loop (the `StorageManager` actor's), so prefetch
+    tasks can be awaited by `wait`/`get`. The `try_*` methods are the same answers made
+    synchronously, for a request the index alone can answer; they return None when the
+    request needs the loop (a tier call, a prefetch to wait for, start-up).
     """
 
     def __init__(self, config: RayKVConfig, node_id: str | None = None) -> None:
@@ -109,6 +150,11 @@ class StorageManager:
         self._started: asyncio.Task | None = None
 
     # ----- start-up, restarts, background tasks -----
+
+    @property
+    def started(self) -> bool:
+        """Whether start-up (the index rebuilt from the tiers) has finished."""
+        return self._started is not None and self._started.done()
 
     async def _ready(self) -> None:
         """First call after (re)start: rebuild the whole index from the tiers."""
@@ -151,13 +197,7 @@ class StorageManager:
                 segs.append((peer[0], n, n + peer[1]))
                 n += peer[1]
         if n < len(keys) and TIER_REMOTE in tiers and self._index.up(TIER_REMOTE):
-            found = await self._t.probe_remote(keys[n:])
-            if found:
-                if segs and segs[-1][0] == TIER_REMOTE:
-                    segs[-1] = (TIER_REMOTE, segs[-1][1], n + found)
-                else:
-                    segs.append((TIER_REMOTE, n, n + found))
-                n += found
+            n = _extend_remote(segs, n, await self._t.probe_remote(keys[n:]))
         return segs, n
 
     def _count_lookup(self, segs: list[Segment], ends: list[int], n: int) -> None:
@@ -245,6 +285,57 @@ class StorageManager:
         if pin and lookup_id is None:
             raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
         segs, n = await self._full_plan(keys, self._index.tiers_for(search_range))
+        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+
+    def try_lookup(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+        lookup_id: str | None = None,
+    ) -> int | RemoteProbe | None:
+        """`lookup` from the index alone; or a `RemoteProbe` to ask of a `ray://` remote
+        from the calling thread and finish with `finish_probe`; or None if the loop must
+        answer (start-up, a peer to ask, a Redis remote)."""
+        if not self.started:
+            return None
+        keys, ends = split_spans(spans)
+        if pin and lookup_id is None:
+            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
+        tiers = self._index.tiers_for(search_range)
+        segs, n = self._index.plan(keys, tiers)
+        if n < len(keys) and self._may_extend_plan(tiers):
+            probe = self._t.blocking_probe()
+            if probe is None or (self._peer_tier_on() and tiers is self._index.order):
+                return None
+            trial = probe.admit()
+            if trial is not None:  # else backing off: a miss, as the loop would answer
+                return RemoteProbe(probe, trial, keys, ends, segs, n, pin, lookup_id)
+        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+
+    def finish_probe(self, probe: RemoteProbe) -> int:
+        """The end of a lookup whose remote probe ran on a Ray thread (`try_lookup`)."""
+        probe.store.settle("contains", probe.trial, probe.error)
+        rest = probe.keys[probe.n :]
+        found = self._t.probed(rest, probe.found or [], probe.error is not None)
+        n = _extend_remote(probe.segs, probe.n, found)
+        p = probe
+        return self._finish_lookup(p.keys, p.ends, p.segs, n, p.pin, p.lookup_id)
+
+    def _may_extend_plan(self, tiers: Sequence[str]) -> bool:
+        """Whether `_full_plan` would ask beyond the index (a peer, the remote)."""
+        peer = self._peer_tier_on() and tiers is self._index.order
+        return peer or (TIER_REMOTE in tiers and self._index.up(TIER_REMOTE))
+
+    def _finish_lookup(
+        self,
+        keys: list[CacheKey],
+        ends: list[int],
+        segs: list[Segment],
+        n: int,
+        pin: bool,
+        lookup_id: str | None,
+    ) -> int:
         self._count_lookup(segs, ends, n)
         if pin and segs and segs[0][0] == TIER_CPU:
             self._pin(self._index.record(lookup_id, ends), keys[: segs[0][2]])
@@ -332,6 +423,7 @@ class StorageManager:
         spans: Sequence[ChunkSpan] | PackedSpans,
         lookup_id: str | None = None,
         check_cpu: bool = False,
+        ids: bool = False,
     ) -> tuple:
         """The chunks of the longest available prefix, served from CPU, as the plain tuple
         `RetrieveResult.wire()` (read it with `RetrieveResult.of`: a plain tuple costs the
@@ -341,6 +433,7 @@ class StorageManager:
         Releases `lookup_id`'s pins and applies this request's hits as one prefix-closed
         touch. Pass `check_cpu=True` after a read failed with `OwnerDiedError` (the CPU
         store restarted or died): the manager then checks the CPU store before answering.
+        With `ids`, batches are named by object id instead of ref (`RetrieveResult.wire`).
         """
         await self._ready()
         t0 = time.perf_counter()
@@ -356,13 +449,51 @@ class StorageManager:
         result = self._index.collect(keys, rec.refs if rec is not None else {})
         if len(result.chunks) < len(keys):  # lower-tier hits, promoted into CPU
             await self._get_lower(keys, len(result.chunks), result)
+        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+
+    def try_get(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        lookup_id: str | None = None,
+        ids: bool = False,
+    ) -> tuple | None:
+        """`get` from CPU alone, or None if it needs the loop: a prefetch still loading,
+        or a miss that a lower tier, a peer or the remote might extend."""
+        if not self.started:
+            return None
+        t0 = time.perf_counter()
+        keys, ends = split_spans(spans)
+        rec = self._index.lookups.get(lookup_id) if lookup_id is not None else None
+        if rec is not None and rec.task is not None and not rec.task.done():
+            return None
+        result = self._index.collect(keys, rec.refs if rec is not None else {})
+        if len(result.chunks) < len(keys) and self._may_extend_get(keys, len(result.chunks)):
+            return None
+        if lookup_id is not None:
+            self._index.close(lookup_id)
+        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+
+    def _may_extend_get(self, keys: list[CacheKey], start: int) -> bool:
+        """Whether `_get_lower` could add chunks after `keys[:start]`."""
+        segs, _ = self._index.local_lower_plan(keys, start)
+        return bool(segs) or self._peer_tier_on() or self._index.up(TIER_REMOTE)
+
+    def _finish_get(
+        self,
+        keys: list[CacheKey],
+        ends: list[int],
+        lookup_id: str | None,
+        result: RetrieveResult,
+        t0: float,
+        ids: bool,
+    ) -> tuple:
         if TIER_CPU in self._tiers and (result.chunks or lookup_id is not None):
             touched = [k for k in keys[: len(result.chunks)] if k in self._index.cpu]
             self._t.queue_release(lookup_id, touched)  # batched; the client does not wait
         result.hit_tokens = tokens(ends, len(result.chunks))
         self._index.counts["retrieved_tokens"] += result.hit_tokens
         metrics.observe("raykv_retrieve_latency_ms", (time.perf_counter() - t0) * 1000)
-        return result.wire()
+        return result.wire(ids)
 
     async def _get_lower(self, keys: list[CacheKey], start: int, result: RetrieveResult) -> None:
         """Extend `result` from `keys[start:]`: local lower tiers first (by index), then a
@@ -399,7 +530,6 @@ class StorageManager:
     def _peer_tier_on(self) -> bool:
         return self._link is not None and self._t.cpu is not None
 
-    @ray.method(num_returns=2)
     async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         """The peer tier's read (`LowerTier.get_batch`): this node's CPU chunks of `keys`,
         copied into one new object that the caller (another node's CPU store) owns."""
@@ -482,4 +612,162 @@ class StorageManager:
         return dict(self._tiers)
 
 
-__all__ = ["StorageManager", "get_or_create_manager", "manager_name", "shutdown_manager"]
+class _LoopLock(selectors.DefaultSelector):
+    """The loop's selector, holding `lock` except while the loop waits for I/O.
+
+    The loop thread takes `lock` before it runs, so every callback and coroutine step
+    runs holding it; a Ray thread that takes it runs between two steps, as if it were
+    one more callback. The lock is never held across the wait.
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__()
+        self._lock = lock
+
+    def select(self, timeout: float | None = None) -> list:
+        self._lock.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self._lock.acquire()
+
+
+async def _make_core(config: RayKVConfig, node_id: str | None) -> ManagerCore:
+    return ManagerCore(config, node_id)  # built on the loop: its parts take its loop
+
+
+# Ray threads that may wait on the loop at once (`wait`, `get` of a prefetch, `put`).
+MANAGER_THREADS = 128
+
+
+@ray.remote(max_concurrency=MANAGER_THREADS)
+class StorageManager:
+    """The cache's single entry point (the actor): a `ManagerCore` on its own event loop.
+
+    A threaded actor, not an async one (so no method may be a coroutine): Ray hands an
+    async actor's arguments to its loop on an extra thread hop (~0.15-0.2 ms a call
+    here), which a threaded actor skips. A `lookup` the index answers and a `get` served
+    from CPU run on the calling Ray thread (`ManagerCore.try_*`) under the loop's lock,
+    between two loop steps; everything else runs on the loop, as before.
+    """
+
+    def __init__(self, config: RayKVConfig, node_id: str | None = None) -> None:
+        self._lock = threading.Lock()
+        self._loop = asyncio.SelectorEventLoop(_LoopLock(self._lock))
+        self._thread = threading.Thread(target=self._serve, name="raykv-manager-loop", daemon=True)
+        self._thread.start()
+        self._core: ManagerCore = self._run(_make_core(config, node_id))
+
+    def _serve(self) -> None:
+        self._lock.acquire()
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _run(self, coro: Any) -> Any:
+        """Run `coro` on the loop and wait for it (on this Ray thread, lock not held)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def put(
+        self,
+        keys: Sequence[CacheKey | ChunkSpan] | PackedSpans,
+        metas: Sequence[PayloadMeta],
+        batch: list[ray.ObjectRef],
+        priority: int | None = None,
+        prefix: Sequence[CacheKey] | None = None,
+    ) -> PutResult:
+        """See `ManagerCore.put`."""
+        return self._run(self._core.put(keys, metas, batch, priority, prefix))
+
+    def lookup(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+        lookup_id: str | None = None,
+    ) -> int:
+        """See `ManagerCore.lookup`."""
+        with self._lock:
+            step = self._core.try_lookup(spans, pin, search_range, lookup_id)
+        if isinstance(step, RemoteProbe):
+            step.ask()  # the remote server, from this thread, lock not held
+            with self._lock:
+                return self._core.finish_probe(step)
+        if step is not None:
+            return step
+        return self._run(self._core.lookup(spans, pin, search_range, lookup_id))
+
+    def prefetch(
+        self,
+        lookup_id: str,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        search_range: Sequence[str] | None = None,
+    ) -> None:
+        """See `ManagerCore.prefetch`."""
+        return self._run(self._core.prefetch(lookup_id, spans, search_range))
+
+    def wait(self, lookup_id: str, timeout: float | None = None) -> int:
+        """See `ManagerCore.wait`."""
+        return self._run(self._core.wait(lookup_id, timeout))
+
+    def get(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        lookup_id: str | None = None,
+        check_cpu: bool = False,
+        ids: bool = False,
+    ) -> tuple:
+        """See `ManagerCore.get`."""
+        if not check_cpu:
+            with self._lock:
+                reply = self._core.try_get(spans, lookup_id, ids)
+            if reply is not None:
+                return reply
+        return self._run(self._core.get(spans, lookup_id, check_cpu, ids))
+
+    @ray.method(num_returns=2)
+    def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
+        """See `ManagerCore.get_batch`."""
+        return self._run(self._core.get_batch(keys))
+
+    def unpin(self, lookup_id: str) -> None:
+        """See `ManagerCore.unpin`."""
+        return self._run(self._core.unpin(lookup_id))
+
+    def remove(
+        self, keys: Sequence[CacheKey | ChunkSpan], search_range: Sequence[str] | None = None
+    ) -> int:
+        """See `ManagerCore.remove`."""
+        return self._run(self._core.remove(keys, search_range))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """See `ManagerCore.flush`."""
+        return self._run(self._core.flush(timeout))
+
+    def stats(self) -> dict[str, Any]:
+        """See `ManagerCore.stats`."""
+        return self._run(self._core.stats())
+
+    def clear(self) -> None:
+        """See `ManagerCore.clear`."""
+        return self._run(self._core.clear())
+
+    def incarnations(self) -> dict[str, str | None]:
+        """See `ManagerCore.incarnations`."""
+        return self._run(self._core.incarnations())
+
+    def indexed_keys(self, tier: str) -> list[CacheKey]:
+        """See `ManagerCore.indexed_keys`."""
+        return self._run(self._core.indexed_keys(tier))
+
+    def tier_handles(self) -> dict[str, Any]:
+        """See `ManagerCore.tier_handles`."""
+        return self._run(self._core.tier_handles())
+
+
+__all__ = [
+    "ManagerCore",
+    "StorageManager",
+    "get_or_create_manager",
+    "manager_name",
+    "shutdown_manager",
+]

@@ -72,7 +72,8 @@ class TierSet:
         self._backend = (config.remote_url or "").partition("://")[0] or "none"
         self._hold = HandoutHold()
         self._releases: list[tuple[str | None, list[CacheKey]]] = []
-        self._release_timer: asyncio.TimerHandle | None = None
+        self._release_timer: asyncio.Handle | None = None
+        self._loop = asyncio.get_running_loop()  # built on the manager's loop
         self._probe: RemoteStore | None = None  # the remote server, asked by lookups directly
 
     @property
@@ -95,11 +96,14 @@ class TierSet:
 
     def queue_release(self, lookup_id: str | None, touched: list[CacheKey]) -> None:
         """End of a request on the CPU store (drop `lookup_id`'s pins, touch its hits),
-        sent with the others of the next `RELEASE_BATCH_SECS` in one call."""
+        sent with the others of the next `RELEASE_BATCH_SECS` in one call. Callable from
+        a Ray thread holding the manager's lock (`ManagerCore.try_get`)."""
         self._releases.append((lookup_id, touched))
         if self._release_timer is None:
-            loop = asyncio.get_running_loop()
-            self._release_timer = loop.call_later(RELEASE_BATCH_SECS, self.flush_releases)
+            self._release_timer = self._loop.call_soon_threadsafe(self._arm_release)
+
+    def _arm_release(self) -> None:
+        self._release_timer = self._loop.call_later(RELEASE_BATCH_SECS, self.flush_releases)
 
     def flush_releases(self) -> None:
         if self._release_timer is not None:
@@ -193,7 +197,17 @@ class TierSet:
                 return 0
         errors = self._probe.errors
         found = await self._probe.contains(keys)
-        if self._probe.errors != errors:  # counted in raykv_remote_errors by the probe
+        return self.probed(keys, found, self._probe.errors != errors)
+
+    def blocking_probe(self) -> RemoteStore | None:
+        """The remote probe when it can be asked from a thread that blocks (a `ray://`
+        server, once the probe exists): see `ManagerCore.try_lookup`."""
+        probe = self._probe
+        return probe if probe is not None and probe.contains_blocking is not None else None
+
+    def probed(self, keys: list[CacheKey], found: list[bool], failed: bool) -> int:
+        """Take a remote probe's answer for `keys`: the prefix it holds, now indexed."""
+        if failed:  # counted in raykv_remote_errors by the probe
             self.index.counts["remote_errors"] += 1
         n = leading(found, 0, bool)
         self.index.found_remote(keys[:n])

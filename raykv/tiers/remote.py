@@ -270,6 +270,13 @@ class RayServerBackend:
     async def contains(self, keys: list[CacheKey]) -> list[bool]:
         return await self._server.contains.remote(PackedKeys.of(keys))
 
+    def contains_blocking(self, keys: list[CacheKey], timeout: float) -> list[bool]:
+        """`contains` waited for on the calling thread: a lookup on one of the manager's
+        Ray threads asks the server without two hops through its event loop."""
+        import ray
+
+        return ray.get(self._server.contains.remote(PackedKeys.of(keys)), timeout=timeout)
+
     async def remove(self, keys: list[CacheKey]) -> int:
         return await self._server.remove.remote(keys)
 
@@ -343,27 +350,50 @@ class RemoteStore:
         While backing off, and while a half-open trial call is in flight, answers `miss`
         at once without calling the server.
         """
-        trial = False
-        if self._backoff:
-            if self._trial or time.monotonic() < self._retry_at:
-                self._counts["skipped_while_down"] += 1
-                return miss
-            trial = self._trial = True
+        trial = self.admit()
+        if trial is None:
+            return miss
         try:
             result = await asyncio.wait_for(fn(), timeout or self.timeout_s)
         except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._failed(op, exc)
-            return miss
-        finally:
             if trial:
                 self._trial = False
+            raise
+        except Exception as exc:
+            self.settle(op, trial, exc)
+            return miss
+        self.settle(op, trial)
+        return result
+
+    def admit(self) -> bool | None:
+        """Before a call: None to skip it (backing off, or the half-open trial call is in
+        flight), else whether this call is that trial. Pair with `settle`."""
+        if not self._backoff:
+            return False
+        if self._trial or time.monotonic() < self._retry_at:
+            self._counts["skipped_while_down"] += 1
+            return None
+        self._trial = True
+        return True
+
+    def settle(self, op: str, trial: bool, exc: BaseException | None = None) -> None:
+        """After an admitted call: record its success, or its failure `exc`."""
+        if trial:
+            self._trial = False
+        if exc is not None:
+            self._failed(op, exc)
+            return
         if not self._healthy:
             logger.info("remote tier %s is reachable again", self.url)
             self._healthy = True
         self._backoff = 0.0
-        return result
+
+    @property
+    def contains_blocking(self) -> Callable[[list[CacheKey], float], list[bool]] | None:
+        """The back end's `contains` for a thread that may block (no event loop), if it
+        has one; the caller brackets it with `admit`/`settle` and bounds it by
+        `timeout_s`."""
+        return getattr(self._backend, "contains_blocking", None)
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self._counts["errors"] += 1

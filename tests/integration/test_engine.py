@@ -44,12 +44,20 @@ def settings(tmp_path_factory):
         shutdown_manager(ns)
 
 
-@pytest.fixture(params=[0.0, 0.01], ids=["sync-store", "staged-store"])
+VARIANTS = {
+    "sync-store": {},
+    "staged-store": {"store_staging_size": 0.01},
+    "read-cache": {"read_cache_size": 0.01},
+}
+
+
+@pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
 def kv(settings, request):
     """A client of the module's cache (cheap: the actors already run). Every test runs with
-    synchronous stores and with background stores through a 10 MiB staging ring."""
+    synchronous stores, with background stores through a 10 MiB staging ring, and with a
+    10 MiB read cache."""
     _SALT[0] = request.param_index
-    with raykv.connect(**settings, store_staging_size=request.param) as cache:
+    with raykv.connect(**settings, **VARIANTS[request.param]) as cache:
         yield cache
 
 
@@ -61,7 +69,7 @@ def wait_until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-_SALT = [0]  # set per `kv` variant, so the two variants never share prompts
+_SALT = [0]  # set per `kv` variant, so the variants never share prompts
 
 
 def prompt(seed: int, n: int) -> np.ndarray:
@@ -159,6 +167,25 @@ def test_disk_hit_after_cpu_eviction_gives_the_same_bytes(kv):
     assert torch.equal(dest, full)
     _, tiers = kv.retrieve(tokens, torch.zeros_like(full), return_tiers=True)
     assert tiers == {"cpu": 8 * C}  # promoted
+
+
+def test_the_read_cache_serves_repeat_reads_and_never_a_chunk_the_manager_dropped(settings):
+    with raykv.connect(**settings, read_cache_size=0.01) as kv:
+        tokens = prompt(30, 4 * C)
+        full = kv_for(tokens)
+        kv.store(tokens, full)
+        for _ in range(3):
+            dest = torch.zeros_like(full)
+            assert kv.retrieve(tokens, dest).all() and torch.equal(dest, full)
+        client = kv.stats()["client"]
+        assert client["read_cache_misses"] >= 1 and client["read_cache_hits"] >= 2
+        assert client["read_cache_bytes"] > 0
+        # Gone from every tier: the held object must not make it a hit.
+        kv._manager.remove.remote([s.key for s in kv.spans(tokens)])
+        wait_until(lambda: kv.lookup(tokens) == 0)
+        assert not kv.retrieve(tokens, torch.zeros_like(full)).any()
+        kv.clear()
+        assert kv.stats()["client"]["read_cache_bytes"] == 0
 
 
 def test_list_of_chunks_and_connector_targets_round_trip(kv):

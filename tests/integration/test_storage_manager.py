@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 import pytest
 import ray
+from ray.util import list_named_actors
 
 from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
 from raykv.config import RayKVConfig
@@ -403,6 +404,38 @@ def test_three_tier_prefix_with_a_redis_remote_written_by_others(make_manager, r
     assert time.monotonic() - t0 < 3.0
     assert ray.get(m.stats.remote())["remote_errors"] >= 1  # the manager's own probe failed
     assert ray.get(m.lookup.remote(spans)) == tokens(6)  # now all in CPU
+
+
+def test_a_ray_remote_is_probed_from_the_managers_thread_and_a_dead_one_costs_misses(
+    make_manager,
+):
+    """A `ray://` server is asked from the Ray thread that serves the lookup (no event
+    loop hop): keys only it holds are found; once it is dead, lookups stay bounded
+    misses, counted in `remote_errors`."""
+    name = f"kv-{uuid.uuid4().hex[:8]}"
+    m = make_manager(remote_url=f"ray://{name}", local_disk=None, lookup_timeout_ms=1000)
+    ray.get(m.lookup.remote(request(79, 1)))  # the first probe creates the server
+    (ns,) = [a["namespace"] for a in list_named_actors(all_namespaces=True) if a["name"] == name]
+    server = ray.get_actor(name, namespace=ns)
+    try:
+        spans = request(80, 2)
+        put(m, spans)
+        assert ray.get(m.lookup.remote(spans + request(81, 1))) == tokens(2)  # probe made
+        for seed in (82, 83):  # written by another instance: only the server knows them
+            others = request(seed, 3)
+            ref = ray.put([payload(s.key) for s in others])
+            ray.get(server.put.remote([s.key for s in others], [META] * 3, [ref]))
+            assert ray.get(m.lookup.remote(others)) == tokens(3)
+        check_bytes(others, RetrieveResult.of(ray.get(m.get.remote(others))))
+        errors = ray.get(m.stats.remote())["remote_errors"]
+        ray.kill(server, no_restart=True)
+        for seed in (84, 85, 86):
+            t0 = time.monotonic()
+            assert ray.get(m.lookup.remote(spans + request(seed, 2)), timeout=3.0) == tokens(2)
+            assert time.monotonic() - t0 < 2.0
+        assert ray.get(m.stats.remote())["remote_errors"] > errors
+    finally:
+        ray.kill(server)
 
 
 def test_without_a_cpu_tier_lower_tier_hits_are_served(make_manager):
