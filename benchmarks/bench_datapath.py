@@ -13,7 +13,11 @@ same machine; each is reported as min / median / max over the repeats:
 * synchronous `store` (the default): the same store waiting for the object store and
   the manager, against the same memcpy, for comparison.
 * `retrieve` into a preallocated destination, against one trivial async-actor round
-  trip plus one memcpy of the bytes. Goal: baseline / retrieve >= 0.8.
+  trip plus one memcpy of the bytes. Goal: baseline / retrieve >= 0.8. Timed with a
+  read cache (config `read_cache_size`, what the goal is judged on) and without, and
+  also against a round trip that carries the retrieve's request (its packed spans) as
+  its argument, all four interleaved, with many more repeats than the stores (a
+  retrieve takes milliseconds; ~1 s of reads per figure).
 
 * Ray settings for users who start Ray themselves: `ray.put` GB/s at 8/32/128 MiB,
   raykv's synchronous `store` of 32 MiB and the time `ray.init` takes, in fresh
