@@ -58,10 +58,10 @@ ROUTERS = ("random", "pow2", "cache_aware")
 
 TITLE = "Cache-aware routing"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): with 12 users x 5 turns, cache-aware
-routing gave 1.65x random's hit tokens (0.58 against 0.35 of the prompt tokens) and the
-lowest mean TTFT (107 ms against 157 random, 163 pow2, Serve's default, which gave 0.94x
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)): with 12 users x 5 turns, cache-aware
+routing gave 1.74x random's hit tokens (0.58 against 0.33 of the prompt tokens) and the
+lowest mean TTFT (110 ms against 168 random, 150 pow2, Serve's default, which gave 1.19x
 random's hits). The TTFT range of a router is the spread over its requests (different
 prompts), not run-to-run noise. `--quick` (8 users x 4 turns, little history to reuse)
 gives only about 1.2-1.3x, so the 1.5x goal is expected to be missed in quick mode.

@@ -6,29 +6,42 @@ Hashing: tokens -> chained chunk keys for 4k/32k/128k-token prompts (numpy input
 Python-list input) vs `ndarray.tobytes()` of the same tokens. Goal: 128k tokens in < 5 ms.
 Codec: `payload.encode` / `payload.decode` GB/s vs a numpy copy (memcpy) of the same
 bytes. Goal: >= 0.5x memcpy.
+Start-up, each a whole new process beside `python -c pass` (the interpreter's own start),
+alternating: `import raykv` (timed inside the child, which also checks that neither
+torch nor ray got imported; goal <= 0.3 s) and `raykv --version` (goal <= 0.5 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 
-from benchmarks._util import Summary, median_seconds, print_table, repeat_seconds, spread
+from benchmarks._util import (
+    Summary,
+    interleave_all,
+    median_seconds,
+    print_table,
+    repeat_seconds,
+    spread,
+)
 from raykv.keys import KeyMaker
 from raykv.payload import PayloadMeta, decode, encode
 
 TITLE = "Keys and codec"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): 128k tokens took 0.80 ms from a numpy
-array and 2.65 ms from a Python list, whose conversion to int32 dominates. Keys are
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)): 128k tokens took 0.80 ms from a numpy
+array and 2.61 ms from a Python list, whose conversion to int32 dominates. Keys are
 `CacheKey` named tuples since 2026-11-25, built in C from the hash chain; the hashing
 itself is most of the numpy figure.
 
-Codec decode is zero-copy (checksum only), hence > 1x memcpy (1.39x at 2 MiB, 3.42x at
-32 MiB). `encode` returns a numpy buffer rather than `bytes` and reached 0.60x / 0.69x
+Codec decode is zero-copy (checksum only), hence > 1x memcpy (1.35x at 2 MiB, 3.41x at
+32 MiB). `encode` returns a numpy buffer rather than `bytes` and reached 0.56x / 0.68x
 memcpy: allocating and filling a 32 MiB `bytes` ran at 1.9 GB/s against 4.4 GB/s for
 numpy in an earlier run.
 """
@@ -108,6 +121,80 @@ def bench_codec(repeats: int, summary: Summary) -> None:
     )
 
 
+IMPORT_PROBE = (
+    "import sys, time; t = time.perf_counter(); import raykv; t = time.perf_counter() - t; "
+    "heavy = sorted({'torch', 'ray'} & set(sys.modules)); print(t, ','.join(heavy))"
+)
+
+
+def bench_startup(repeats: int, summary: Summary) -> None:
+    """`import raykv` and `raykv --version` in new processes, beside a bare interpreter."""
+    cli = shutil.which("raykv")
+    if cli is None:
+        raise SystemExit("the raykv command is not on PATH: pip install -e . first")
+    imports: list[float] = []
+    heavy: set[str] = set()
+
+    def run_import(_i: int) -> None:
+        out = subprocess.run(
+            [sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True
+        ).stdout.split()
+        imports.append(float(out[0]))
+        heavy.update(out[1].split(",") if len(out) > 1 else [])
+
+    def run(argv: list[str]) -> None:
+        subprocess.run(argv, capture_output=True, check=True)
+
+    bare = [sys.executable, "-c", "pass"]
+    t_import, t_version, t_bare = interleave_all(
+        [run_import, lambda _i: run([cli, "--version"]), lambda _i: run(bare)], repeats
+    )
+    del imports[0]  # the warm-up call
+    s_imp, s_ver, s_bare = spread(imports), spread(t_version), spread(t_bare)
+    print("\n## Start-up (whole processes)\n")
+    print_table(
+        ["what", "median s", "min-max s", "bare python -c pass s"],
+        [
+            [
+                "import raykv (in the child)",
+                s_imp["median"],
+                f"{s_imp['min']:.4f}-{s_imp['max']:.4f}",
+                "-",
+            ],
+            ["whole process: import raykv", spread(t_import)["median"], "", s_bare["median"]],
+            [
+                "raykv --version",
+                s_ver["median"],
+                f"{s_ver['min']:.3f}-{s_ver['max']:.3f}",
+                s_bare["median"],
+            ],
+        ],
+    )
+    if heavy:
+        print(f"import raykv loaded {sorted(heavy)}")
+    summary.row(
+        "import raykv (timed inside a new process)",
+        s_imp["median"] * 1e3,
+        "ms",
+        value_range=(s_imp["min"] * 1e3, s_imp["max"] * 1e3),
+    )
+    summary.row(
+        "raykv --version (whole process)",
+        s_ver["median"],
+        "s",
+        "python -c pass (whole process)",
+        s_bare["median"],
+        value_range=(s_ver["min"], s_ver["max"]),
+    )
+    free = "neither torch nor ray" if not heavy else f"loads {', '.join(sorted(heavy))}"
+    summary.goal(
+        f"import raykv <= 0.3 s ({free})",
+        round(s_imp["median"], 4),
+        s_imp["max"] <= 0.3 and not heavy,
+    )
+    summary.goal("raykv --version <= 0.5 s", round(s_ver["median"], 3), s_ver["median"] <= 0.5)
+
+
 def main() -> None:
     """Parse the options, run both parts, write the JSON summary if asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,6 +206,7 @@ def main() -> None:
     summary = Summary()
     bench_hashing(repeats, summary)
     bench_codec(repeats, summary)
+    bench_startup(5 if args.quick else 11, summary)
     summary.write(args.json)
 
 

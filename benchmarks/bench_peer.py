@@ -58,11 +58,11 @@ from raykv.keys import KeyMaker  # noqa: E402
 
 TITLE = "Peer tier vs recompute (2-node cluster)"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)): a peer hit cut TTFT 3.0x / 8.7x / 17.0x
-against recomputing a 1k / 4k / 8k-token prefix (114 / 746 / 2139 ms cold vs 38 / 85 /
-126 ms). The peer load itself (lookup + retrieve) took 27 / 58 / 76 ms, 2.6-4.0x a raw
-cross-node `ray.get` of the same bytes (7 / 18 / 30 ms): the peer path is three actor
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)): a peer hit cut TTFT 3.4x / 8.6x / 18.7x
+against recomputing a 1k / 4k / 8k-token prefix (131 / 707 / 2244 ms cold vs 39 / 82 /
+120 ms). The peer load itself (lookup + retrieve) took 28 / 55 / 74 ms, 2.3-4.4x a raw
+cross-node `ray.get` of the same bytes (6 / 20 / 32 ms): the peer path is three actor
 hops (B's manager asks the controller, B's CPUStore asks A's manager) and three copies
 (A's manager gathers the chunks into one new object, B's CPUStore re-puts it so that B's
 object store holds what B's budget counts). A local CPU hit after the promotion is

@@ -49,23 +49,24 @@ from raykv.simulate import load_trace  # noqa: E402
 
 TITLE = "Eviction policies"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)).
 
 The simulator loops are plain Python (an `OrderedDict`, a dict plus a list, or deques
-per policy); libCacheSim runs C, so with the file read included its ARC (0.77x) and LFU
-(0.96x) loops are faster than ours. A whole `raykv simulate` process beats a whole
-libCacheSim process (LRU 1.76x, SIEVE 1.63x, S3-FIFO 2.17x) because it imports less: no
-numpy (the trace is read with `array`), no progress bar unless on a terminal, only the
-chosen subcommand, and no count of distinct ids unless a size or `--json` needs it.
-Every simulator loop is above 1M req/s (slowest ARC 5.3, LFU 5.6 M req/s; LFU keeps
-lazy deque buckets of `[key, freq]` cells since 2026-11-25, 1.3-1.5x its old
-`OrderedDict` buckets). The protocol path takes the common call (`evict(1)` with nothing
-pinned) on a short path, so for LRU, FIFO, SIEVE and S3-FIFO the calls a tier makes cost
-less per request than libCacheSim's Python binding does per `get` (1.92x / 2.05x / 1.51x
-/ 1.45x). Not so for ARC (0.50x), Priority (0.56x, a `SortedDict` of levels) and LFU
-(0.28x: every hit moves a key between frequency buckets of a `SortedDict`); these are
-not goals of the issue, and what a tier pays per touch with `cache_policy: lfu`.
+per policy); libCacheSim runs C, so with the file read included its ARC loop is faster
+than ours (0.72x), and its LFU loop about as fast (1.05x). A whole `raykv simulate`
+process beats a whole libCacheSim process (LRU 1.79x, SIEVE 1.66x, S3-FIFO 2.16x)
+because it imports less: no numpy (the trace is read with `array`), no progress bar
+unless on a terminal, only the chosen subcommand, and no count of distinct ids unless a
+size or `--json` needs it. Every simulator loop is above 1M req/s (slowest ARC 5.3, LFU
+5.4 M req/s; LFU keeps lazy deque buckets of `[key, freq]` cells since 2026-11-25,
+1.3-1.5x its old `OrderedDict` buckets). The protocol path takes the common call
+(`evict(1)` with nothing pinned) on a short path, so for LRU, FIFO, SIEVE and S3-FIFO
+the calls a tier makes cost less per request than libCacheSim's Python binding does
+per `get` (1.87x / 2.13x / 1.62x / 1.44x). Not so for ARC (0.51x), Priority (0.58x, a
+`SortedDict` of levels) and LFU (0.29x: every hit moves a key between frequency buckets
+of a `SortedDict`); these are not goals of the issue, and what a tier pays per touch
+with `cache_policy: lfu`.
 
 Miss counts: LRU, FIFO, LFU, SIEVE, CLOCK and ARC equal libCacheSim's exactly; S3-FIFO
 matches `S3FIFOv0` (threshold 2) within 2e-4; SLRU within 0.015 of its 2-segment SLRU;

@@ -57,28 +57,30 @@ from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)).
 
-Lookups: answered from the manager's index, a lookup cost 1.29x / 1.32x / 1.52x one
-trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met). Since
-2026-11-25 a `KVCache` sends the spans as one plain tuple (`PackedSpans.wire()`: msgpack,
-not pickle) and `CacheKey` is a named tuple (512 keys built, hashed and compared in C):
-the 512-chunk lookup was 3.14x in the 2026-11-23 run. When the remote third of the
-prefix is unknown to the index (another instance wrote it), the manager now asks the
-remote server itself (its own `RemoteStore` probe, not the remote tier's actor: one hop
-less), 2.53x / 2.67x / 3.15x (3.9x / 4.3x / 5.4x in a `--quick` run just before
-that change): missed. Client -> manager ->
-KVServer are two sequential round trips, so 2.0x is out of reach while the manager is
-the only one that asks; it would take the client probing the remote itself, or the
-remote pushing its new keys to the managers.
+Lookups: answered from the manager's index, a lookup cost 1.03x / 1.12x / 1.25x one
+trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met; 1.29x / 1.32x /
+1.52x in the 08:40 run before it). The manager is now a threaded actor (an async
+actor's calls with arguments paid an extra thread hop, ~0.15-0.2 ms) and answers an
+index-only lookup on the Ray thread that received it, without its event loop.
+
+When the remote third of the prefix is unknown to the index (another instance wrote
+it), the manager asks the `ray://` server from that same thread, the lock released
+while it waits: 2.16x (noisy) / 2.27x / 2.58x at 8 / 128 / 512 chunks (2.53x / 2.67x /
+3.15x in the 08:40 run, ~3.9x / 4.3x / 5.4x before the manager asked the server itself):
+missed. Client -> manager -> KVServer are two sequential round trips, each one trivial
+round trip at best, so 2.0x is the floor of this design, not a figure to reach; the
+rest at 512 chunks is sending 171 keys and building them again on the server. Going
+below it would take the client asking the remote itself (every client probing the
+shared server on every lookup) or the remote pushing its new keys to the managers.
 
 Why put misses its goal: a store that must own its objects (so data outlives the
 writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
-copied twice (0.40x / 0.46x of one raw batched `ray.put`). Pulling from a producer
-actor (what a GPU worker does) copies once. Get into preallocated buffers is 1.22x /
-1.03x its baseline (actor RTT + raw batched `ray.get` + the same copies): the manager
-call carries the request's keys and returns the refs.
+copied twice (0.36x / 0.35x of one raw batched `ray.put`). Pulling from a producer
+actor (what a GPU worker does) copies once. Get into preallocated buffers is 1.13x /
+1.03x its baseline (actor RTT + raw batched `ray.get` + the same copies; noisy).
 """
 
 MiB = 1 << 20

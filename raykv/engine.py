@@ -97,8 +97,8 @@ class KVCache:
         return self._keys.keys(tokens, mask)
 
     def _packed(self, spans: list[ChunkSpan]) -> Any:
-        """`spans` as the manager's calls take them: the plain wire tuple of `PackedSpans`
-        (msgpack, not pickle) when their keys share one identity."""
+        """`spans` as the manager's calls take them: the msgpack bytes of `PackedSpans`
+        when their keys share one identity."""
         packed = PackedSpans.of(spans)
         return packed.wire() if isinstance(packed, PackedSpans) else packed
 
@@ -454,13 +454,16 @@ class KVCache:
         ids = reads is not None and reads.covers([s.key for s in spans])
         check_cpu = False
         for _attempt in range(3):
-            if ids:
-                args: tuple = (packed, lookup_id, False, True)
+            method = "get"
+            if ids and lookup_id is None:
+                method, args = "get_held", (packed,)  # one argument: Ray sends each apart
+            elif ids:
+                args = (packed, lookup_id, False, True)
             elif lookup_id is None and not check_cpu:
                 args = (packed,)  # default arguments are not sent
             else:
                 args = (packed, lookup_id, check_cpu)
-            reply = self._call("get", *args, timeout=self._lookup_timeout * 4, default=None)
+            reply = self._call(method, *args, timeout=self._lookup_timeout * 4, default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
                 return [], []

@@ -3,11 +3,12 @@
 
 A retrieve asks the manager which batch object holds each chunk (one round trip, as
 always) and then reads those objects from the object store. Reading an object this
-process read before costs a `ray.get` all the same (~0.1-0.2 ms here: a round trip to
-the object store and, for a ref just returned by an actor, registering it), which is a
-large share of an 8 MiB retrieve. Objects never change, so a value read once can serve
-every later read of the same object: this cache keeps the values (zero-copy views of
-the object store) of the last batches read, bounded by their bytes.
+process read before costs a `ray.get` all the same (a round trip to the object store,
+registering a ref an actor just returned, and for an object on another node a
+transfer). Objects never change, so a value read once can serve every later read of
+the same object: this cache keeps the values (zero-copy views of the object store) of
+the last batches read, bounded by their bytes. On one node it saved 0.05-0.08 ms per
+8-32 MiB retrieve here (`benchmarks/bench_datapath.py`).
 
 When every chunk of a request was last read from an object still held, the client asks
 the manager to name the objects by id instead of returning their refs: a returned ref

@@ -210,15 +210,26 @@ class PackedSpans(PackedKeys):
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedSpans, (self.identity, self.hashes, self.ends))
 
-    def wire(self) -> tuple[Any, ...]:
-        """These spans as one plain tuple of strings, ints and lists, which Ray sends with
-        msgpack instead of pickle (0.1-0.2 ms less per call than this object; see
-        `docs/ARCHITECTURE.md`). `from_wire` reads it back."""
-        return (SPANS_WIRE, self.identity, self.hashes, self.ends)
+    def wire(self) -> bytes:
+        """These spans as msgpack bytes (a tag, the identity, the hashes, the ends): one
+        bytes argument is the cheapest thing Ray sends, ~0.1 ms less per call than the
+        same tuple of lists after a large copy flushed the caches, and never pickled.
+        `from_wire` reads it back (and the tuple form)."""
+        import msgpack
+
+        return msgpack.packb((SPANS_WIRE, self.identity, self.hashes, self.ends))
 
     @classmethod
     def from_wire(cls, value: Any) -> PackedSpans | None:
-        """The spans of a `wire()` tuple; None if `value` is not one."""
+        """The spans of a `wire()` form (bytes, or the tuple inside); None if `value` is
+        not one; ValueError if it is one, malformed."""
+        if isinstance(value, bytes | bytearray | memoryview):
+            import msgpack
+
+            try:
+                value = msgpack.unpackb(value, raw=False)
+            except Exception as exc:  # msgpack's own errors: bytes that are no wire form
+                raise ValueError(f"malformed spans wire form: {exc}") from None
         if not (isinstance(value, tuple | list) and len(value) == 4 and value[0] == SPANS_WIRE):
             return None
         _, identity, hashes, ends = value

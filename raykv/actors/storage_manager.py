@@ -724,6 +724,11 @@ class StorageManager:
                 return reply
         return self._run(self._core.get(spans, lookup_id, check_cpu, ids))
 
+    def get_held(self, spans: Sequence[ChunkSpan] | PackedSpans) -> tuple:
+        """`get(spans, ids=True)` in one argument (Ray serializes each argument on its
+        own): what a client with a read cache sends when it holds the batches."""
+        return self.get(spans, None, False, True)
+
     @ray.method(num_returns=2)
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         """See `ManagerCore.get_batch`."""

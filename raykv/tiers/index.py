@@ -60,7 +60,7 @@ def tokens(ends: Sequence[int], n: int) -> int:
 
 
 def _unwire(items: Any) -> Any:
-    """`PackedSpans` for a spans wire tuple (`PackedSpans.wire`), else `items` as given."""
+    """`PackedSpans` for a spans wire form (`PackedSpans.wire`), else `items` as given."""
     try:
         packed = PackedSpans.from_wire(items)
     except ValueError as exc:
@@ -70,7 +70,7 @@ def _unwire(items: Any) -> Any:
 
 def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey], list[int]]:
     """(keys, token ends) of a request's spans (a list of `ChunkSpan`, `PackedSpans` or its
-    wire tuple); a clear error for anything else."""
+    wire form); a clear error for anything else."""
     spans = _unwire(spans)
     if isinstance(spans, PackedSpans):
         return spans.keys(), list(spans.ends)
@@ -84,7 +84,7 @@ def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey
 
 
 def as_keys(items: Sequence[CacheKey | ChunkSpan] | PackedSpans) -> list[CacheKey]:
-    """Keys of `items` (keys, spans, packed spans or their wire tuple)."""
+    """Keys of `items` (keys, spans, packed spans or their wire form)."""
     items = _unwire(items)
     if isinstance(items, PackedSpans):
         return items.keys()

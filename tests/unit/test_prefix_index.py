@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from raykv.errors import InvalidInputError
@@ -113,13 +114,19 @@ def test_spans_wire_tuple_splits_like_the_spans_and_a_malformed_one_is_a_clear_e
 
     spans = [ChunkSpan(i * 4, i * 4 + 4, key(i)) for i in range(3)]
     wire = PackedSpans.of(spans).wire()
-    assert wire[0] == SPANS_WIRE and split_spans(wire) == split_spans(spans)
-    assert split_spans(list(wire)) == split_spans(spans)  # a list after a msgpack hop
+    assert isinstance(wire, bytes) and split_spans(wire) == split_spans(spans)
     assert as_keys(wire) == [s.key for s in spans]
+    inner = (SPANS_WIRE, spans[0].key.identity, [s.key.chunk_hash for s in spans], [4, 8, 12])
+    assert split_spans(inner) == split_spans(spans)  # the tuple inside the bytes
+    assert split_spans(list(inner)) == split_spans(spans)  # a list after a msgpack hop
     with pytest.raises(InvalidInputError, match="malformed spans wire form"):
         split_spans((SPANS_WIRE, ("m", 1, 0), ["a"], [4]))
     with pytest.raises(InvalidInputError, match="malformed spans wire form"):
         split_spans((SPANS_WIRE, ("m", 1, 0, "float16"), ["a", "b"], [4]))
+    with pytest.raises(InvalidInputError, match="malformed spans wire form"):
+        split_spans(b"\xc1 not msgpack")
+    with pytest.raises(InvalidInputError, match="expected a list of ChunkSpan"):
+        split_spans(msgpack.packb(["something", "else"]))
 
 
 def test_cpu_ack_of_another_incarnation_drops_the_cpu_index():
