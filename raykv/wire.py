@@ -178,10 +178,35 @@ class PackedKeys:
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedKeys, (self.identity, self.hashes))
 
+    def wire(self) -> bytes:
+        """These keys as msgpack bytes (a tag, the identity, the hashes): what a lookup's
+        remote probe sends, the cheapest argument for Ray (see `PackedSpans.wire`)."""
+        import msgpack
 
-def unpack_keys(keys: Sequence[CacheKey] | PackedKeys) -> list[CacheKey]:
-    """The keys of a `PackedKeys` (or of a plain sequence, as a list)."""
-    return keys.keys() if isinstance(keys, PackedKeys) else list(keys)
+        return msgpack.packb((KEYS_WIRE, self.identity, self.hashes))
+
+
+KEYS_WIRE = "raykv.keys/1"
+
+
+def unpack_keys(keys: Sequence[CacheKey] | PackedKeys | bytes) -> list[CacheKey]:
+    """The keys of a `PackedKeys`, of its `wire()` bytes, or of a plain sequence (as a
+    list). Malformed bytes are an `InvalidInputError`."""
+    if isinstance(keys, PackedKeys):
+        return keys.keys()
+    if not isinstance(keys, bytes | bytearray | memoryview):
+        return list(keys)
+    import msgpack
+
+    from raykv.errors import InvalidInputError
+
+    try:
+        tag, identity, hashes = msgpack.unpackb(keys, raw=False)
+        if tag != KEYS_WIRE or len(identity) != 4 or not isinstance(hashes, list):
+            raise ValueError(f"tag {tag!r}")
+        return CacheKey.many(tuple(identity), hashes)
+    except Exception as exc:
+        raise InvalidInputError(f"malformed keys wire form: {exc}") from None
 
 
 class PackedSpans(PackedKeys):

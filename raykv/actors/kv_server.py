@@ -50,7 +50,7 @@ class KVServer:
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         return self._state.get_batch(keys)
 
-    def contains(self, keys: list[CacheKey] | PackedKeys) -> list[bool]:
+    def contains(self, keys: list[CacheKey] | PackedKeys | bytes) -> list[bool]:
         return self._state.contains(unpack_keys(keys))
 
     def remove(self, keys: list[CacheKey]) -> int:

@@ -99,6 +99,18 @@ def test_without_the_controller_only_summaries_route(controller_ns) -> None:
     assert _choose(router, replicas, TOKENS)[0] == ["on-y"]
 
 
+def _wait_dead(actor: Any, seconds: float = 30.0) -> None:
+    """Until a call on `actor` fails because it died."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.instances.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_a_missing_or_dead_controller_costs_only_its_signal() -> None:
     namespace = f"router-none-{uuid.uuid4().hex[:8]}"
     router = _router(namespace, controller_timeout_s=30.0)
@@ -116,6 +128,7 @@ def test_a_missing_or_dead_controller_costs_only_its_signal() -> None:
         assert _choose(router, replicas, TOKENS)[0] == ["a"]
     finally:
         ray.kill(controller, no_restart=True)
+    _wait_dead(controller)  # ray.kill returns before the actor is gone
     assert asyncio.run(router.node_matches(keys)) == {}  # dead: {} and a later retry
     assert router._controller is None
 

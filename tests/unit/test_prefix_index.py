@@ -84,6 +84,10 @@ def test_packed_keys_round_trip_through_pickle_and_mixed_identities_stay_a_list(
     assert unpack_keys(PackedKeys.of([])) == [] and unpack_keys(keys) == keys
     spans = [ChunkSpan(i * 4, i * 4 + 4, k) for i, k in enumerate(keys)]
     assert unpack_keys(PackedSpans.of(spans)) == keys  # packed spans are packed keys
+    assert unpack_keys(packed.wire()) == keys  # the msgpack bytes a remote probe sends
+    for bad in (b"\xc1", msgpack.packb(["raykv.keys/1", ["m", 1], []]), msgpack.packb(1)):
+        with pytest.raises(InvalidInputError, match="malformed keys wire form"):
+            unpack_keys(bad)
 
 
 def test_retrieve_result_wire_holds_each_batch_ref_and_meta_once_and_round_trips():
