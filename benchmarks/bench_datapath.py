@@ -53,46 +53,43 @@ from raykv.payload import buffers_to_tensors
 
 TITLE = "Client data path: store and retrieve against memcpy"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
-UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
+UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)).
 
 A staged store (`store_staging_size` > 0) blocks the caller for one copy into the
-staging ring plus the key hashing, checks and the hand-off to the worker: 1.26x / 1.12x
-memcpy at 32 / 128 MiB (met). At 8 MiB that fixed ~0.3 ms made 2.04x in this run (the
-memcpy took 0.32 ms here, 0.42 ms in a standalone run minutes later, which gave 1.61x):
-missed. The synchronous store waits for `ray.put` (1.7-2.8 GB/s here) and the manager,
-8-40x a memcpy.
+staging ring plus the key hashing, checks and the hand-off to the worker: 1.25x / 1.11x
+memcpy at 32 / 128 MiB (met). At 8 MiB that fixed ~0.3 ms of Python, on caches the copy
+before it flushed, makes 1.71x (noisy; 1.6-2.1x over the day's runs). The synchronous
+store waits for `ray.put` (1.8-2.9 GB/s here) and the manager, 8-32x a memcpy.
 
-`retrieve` reached 0.64 / 0.72 / 0.79 of one trivial async round trip + one memcpy at
-8 / 32 / 128 MiB (all "noisy": the baseline's spread covers the gap; 0.54 / 0.61 / 0.73
-in the 08:40 run before it). A standalone run minutes later gave 0.67 / 0.80 / 0.80.
+`retrieve` reached 0.72 (noisy) / 0.81 (noisy) / 0.98 (met) of one trivial async round
+trip + one memcpy at 8 / 32 / 128 MiB; 0.54 / 0.61 / 0.73 in the 08:40 UTC run of the
+same day. The baseline's memcpy copies what a retrieve copies (the stored chunks, from
+the object store, into the same destination) and each baseline alternates with the
+retrieve alone. Against a round trip that carries the retrieve's request as its
+argument, what any cache must send: 0.82 / 0.82 / 0.94.
+
 What changed: the manager became a threaded actor that serves a CPU hit on the Ray
 thread that received the call (an async actor's call with arguments paid an extra
-thread hop). Measured piecewise after a 32 MiB copy, its `get` took 1.36 ms like a
-trivial call when it names the batches by id, 1.61 ms when it returns refs; the async
-manager's took ~0.25 ms more than a trivial call even on warm caches. What is left, at 8 MiB
-(~0.4 ms over the ideal, piecewise on this machine): the client's own Python on caches
-the copies just flushed (hashing the tokens, checks, building the tensors: ~0.2 ms,
-against a few us warm) and the manager call's arguments and reply (~0.1-0.2 ms over
-the trivial call). 0.8x at 8 MiB would need a retrieve that spends ~0.1 ms outside the
-round trip and the copy.
+thread hop), the request crosses as one msgpack bytes argument, and a client with a
+read cache gets batch ids instead of refs. Measured piecewise after a 32 MiB copy, the
+manager's `get` took 1.36 ms like a trivial call when it names the batches by id, 1.61
+ms when it returns refs; the async manager's took ~0.25 ms more than a trivial call even
+on warm caches. What is left at 8 MiB: the client's own Python (hashing the tokens,
+checks, tensor views: a few us warm, ~0.2 ms on caches the copies just flushed) and the
+request argument (~0.08 ms as bytes). The neighbourhood matters as much: the same 8 MiB
+retrieve took 1.51 ms alternating with itself and 2.03 ms alternating with the baseline
+(another actor and another 8 MiB copy between two retrieves).
 
-The read cache (`read_cache_size`, on for the goal's figure) keeps the batch objects a
-client read and, when every chunk of a request comes from one of them, has the
-manager name them by id instead of returning refs. Here, on one node, it saved
-0.05-0.08 ms per retrieve (1.11-1.13 vs 1.16-1.19 ms median at 8 MiB, 600 alternating
-repeats), inside this run's noise; the rows without it are shown. It matters more
-where a batch lives on another node (a cluster-wide manager): a held object is not
-fetched again.
-
-Against a round trip that carries the retrieve's request as its argument (what any
-cache must send), retrieve reached 0.70 / 0.76 / 0.80.
+The read cache (`read_cache_size`, on for the goal's figures), alternating on and off:
+0.90x / 0.93x / 0.95x the time without it at 8 / 32 / 128 MiB (1.51 vs 1.69 ms at 8 MiB).
+It also spares a second transfer of a batch that lives on another node.
 
 Ray settings, for users who start Ray themselves (fresh Ray per round, 2 GiB object
 store, 4 rounds alternating): `RAY_preallocate_plasma_memory=1` raised `ray.put` from
-1.70 / 2.43 / 2.79 to 2.47 / 3.96 / 5.06 GB/s at 8 / 32 / 128 MiB, and made `ray.init`
-take 3.5 s instead of 2.5 s (it touches the whole store at start, which then counts as
-used memory). raykv's synchronous 32 MiB store did not gain (1.09 vs 1.15 GB/s): it is
+1.82 / 2.39 / 2.86 to 2.64 / 3.81 / 5.22 GB/s at 8 / 32 / 128 MiB, and made `ray.init`
+take 4.2 s instead of 2.7 s (it touches the whole store at start, which then counts as
+used memory). raykv's synchronous 32 MiB store did not gain (0.82 vs 0.85 GB/s): it is
 bound by the CPU store's re-put and the manager round trips, not by page faults.
 """
 

@@ -49,22 +49,22 @@ from raykv.simulate import load_trace  # noqa: E402
 
 TITLE = "Eviction policies"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
-UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
+UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)).
 
 The simulator loops are plain Python (an `OrderedDict`, a dict plus a list, or deques
 per policy); libCacheSim runs C, so with the file read included its ARC loop is faster
-than ours (0.72x), and its LFU loop about as fast (1.05x). A whole `raykv simulate`
-process beats a whole libCacheSim process (LRU 1.79x, SIEVE 1.66x, S3-FIFO 2.16x)
+than ours (0.89x), and its LFU loop about as fast (1.02x). A whole `raykv simulate`
+process beats a whole libCacheSim process (LRU 1.83x, SIEVE 1.71x, S3-FIFO 2.35x)
 because it imports less: no numpy (the trace is read with `array`), no progress bar
 unless on a terminal, only the chosen subcommand, and no count of distinct ids unless a
-size or `--json` needs it. Every simulator loop is above 1M req/s (slowest ARC 5.3, LFU
-5.4 M req/s; LFU keeps lazy deque buckets of `[key, freq]` cells since 2026-11-25,
+size or `--json` needs it. Every simulator loop is above 1M req/s (slowest LFU 4.8, ARC
+4.9 M req/s; LFU keeps lazy deque buckets of `[key, freq]` cells since 2026-11-25,
 1.3-1.5x its old `OrderedDict` buckets). The protocol path takes the common call
 (`evict(1)` with nothing pinned) on a short path, so for LRU, FIFO, SIEVE and S3-FIFO
 the calls a tier makes cost less per request than libCacheSim's Python binding does
-per `get` (1.87x / 2.13x / 1.62x / 1.44x). Not so for ARC (0.51x), Priority (0.58x, a
-`SortedDict` of levels) and LFU (0.29x: every hit moves a key between frequency buckets
+per `get` (2.08x / 2.23x / 1.67x / 1.67x). Not so for ARC (0.57x), Priority (0.60x, a
+`SortedDict` of levels) and LFU (0.30x: every hit moves a key between frequency buckets
 of a `SortedDict`); these are not goals of the issue, and what a tier pays per touch
 with `cache_policy: lfu`.
 

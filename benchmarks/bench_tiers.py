@@ -57,30 +57,34 @@ from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
-UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
+UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)).
 
-Lookups: answered from the manager's index, a lookup cost 1.03x / 1.12x / 1.25x one
+Lookups: answered from the manager's index, a lookup cost 0.96x / 1.01x / 1.16x one
 trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met; 1.29x / 1.32x /
-1.52x in the 08:40 run before it). The manager is now a threaded actor (an async
-actor's calls with arguments paid an extra thread hop, ~0.15-0.2 ms) and answers an
-index-only lookup on the Ray thread that received it, without its event loop.
+1.52x in the 08:40 UTC run of the same day). The manager is now a threaded actor (an
+async actor's calls with arguments paid an extra thread hop, ~0.15-0.2 ms) and answers
+an index-only lookup on the Ray thread that received it, without its event loop; the
+spans cross as one msgpack bytes argument.
 
 When the remote third of the prefix is unknown to the index (another instance wrote
 it), the manager asks the `ray://` server from that same thread, the lock released
-while it waits: 2.16x (noisy) / 2.27x / 2.58x at 8 / 128 / 512 chunks (2.53x / 2.67x /
-3.15x in the 08:40 run, ~3.9x / 4.3x / 5.4x before the manager asked the server itself):
-missed. Client -> manager -> KVServer are two sequential round trips, each one trivial
-round trip at best, so 2.0x is the floor of this design, not a figure to reach; the
-rest at 512 chunks is sending 171 keys and building them again on the server. Going
-below it would take the client asking the remote itself (every client probing the
-shared server on every lookup) or the remote pushing its new keys to the managers.
+while it waits, and sends the keys as msgpack bytes: 1.98x / 2.09x / 2.32x at 8 / 128 /
+512 chunks, all "noisy" (2.53x / 2.67x / 3.15x in the 08:40 run, ~3.9x / 4.3x / 5.4x
+before the manager asked the server itself). Client -> manager -> KVServer are two
+sequential round trips, each one trivial round trip at best, so 2.0x is the floor of
+this design; at 512 chunks the rest is 171 keys sent and built again on the server.
+Going clearly below it would take the client asking the remote itself (every client
+probing the shared server on every lookup) or the remote pushing its new keys to the
+managers.
 
 Why put misses its goal: a store that must own its objects (so data outlives the
 writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
-copied twice (0.36x / 0.35x of one raw batched `ray.put`). Pulling from a producer
-actor (what a GPU worker does) copies once. Get into preallocated buffers is 1.13x /
-1.03x its baseline (actor RTT + raw batched `ray.get` + the same copies; noisy).
+copied twice (0.38x / 0.44x of one raw batched `ray.put`). Pulling from a producer
+actor (what a GPU worker does) copies once. `manager.put` of 16x32 MiB read 0.17x of
+the raw put here with a spread of 0.61-6.3 GB/s (0.38x against the second baseline;
+0.38-0.44x in the earlier runs). Get into preallocated buffers is 1.15x / 1.02x its
+baseline (actor RTT + raw batched `ray.get` + the same copies).
 """
 
 MiB = 1 << 20

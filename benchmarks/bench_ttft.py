@@ -67,12 +67,12 @@ WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
 
 TITLE = "TTFT with the demo model"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:06
-UTC, commit ca152a7, 2 cores, load 0.6 -> 4.7)). From a cached 4k / 8k-token prompt the
-warm TTFT reached 0.93 / 0.93 of the ideal (the prefix already in the model's cache)
-from CPU, 0.87 / 0.84 from disk and 0.78 / 0.80 from Redis. raykv's own load took 9 / 15
-ms (CPU), 32 / 50 ms (disk, page cache) and 51 / 85 ms (Redis) against a suffix prefill
-of 0.21 / 0.34 s, which is why every cell met its goal: on this CPU the prefill
+Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
+UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)). From a cached 4k / 8k-token prompt the
+warm TTFT reached 0.93 / 0.96 of the ideal (the prefix already in the model's cache)
+from CPU, 0.81 / 0.86 from disk and 0.79 / 0.77 from Redis. raykv's own load took 12 /
+17 ms (CPU), 44 / 51 ms (disk, page cache) and 54 / 99 ms (Redis) against a suffix
+prefill of 0.24 / 0.38 s, which is why every cell met its goal: on this CPU the prefill
 dominates. On a GPU the load is most of a warm TTFT (see `bench_datapath`).
 
 Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm
