@@ -18,6 +18,7 @@ prefix of n chunks is worth `spans[n-1].end` tokens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import selectors
 import threading
@@ -636,6 +637,20 @@ async def _make_core(config: RayKVConfig, node_id: str | None) -> ManagerCore:
     return ManagerCore(config, node_id)  # built on the loop: its parts take its loop
 
 
+def _on_loop(name: str) -> Any:
+    """A `StorageManager` method that runs `ManagerCore.<name>` on the loop and waits.
+
+    A plain function (not a coroutine function: Ray would make the actor async), with
+    the core method's name, signature and docstring."""
+    core_method = getattr(ManagerCore, name)
+
+    @functools.wraps(core_method)
+    def method(self: StorageManager, *args: Any, **kwargs: Any) -> Any:
+        return self._run(getattr(self._core, name)(*args, **kwargs))
+
+    return method
+
+
 # Ray threads that may wait on the loop at once (`wait`, `get` of a prefetch, `put`).
 MANAGER_THREADS = 128
 
@@ -667,17 +682,6 @@ class StorageManager:
         """Run `coro` on the loop and wait for it (on this Ray thread, lock not held)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def put(
-        self,
-        keys: Sequence[CacheKey | ChunkSpan] | PackedSpans,
-        metas: Sequence[PayloadMeta],
-        batch: list[ray.ObjectRef],
-        priority: int | None = None,
-        prefix: Sequence[CacheKey] | None = None,
-    ) -> PutResult:
-        """See `ManagerCore.put`."""
-        return self._run(self._core.put(keys, metas, batch, priority, prefix))
-
     def lookup(
         self,
         spans: Sequence[ChunkSpan] | PackedSpans,
@@ -695,19 +699,6 @@ class StorageManager:
         if step is not None:
             return step
         return self._run(self._core.lookup(spans, pin, search_range, lookup_id))
-
-    def prefetch(
-        self,
-        lookup_id: str,
-        spans: Sequence[ChunkSpan] | PackedSpans,
-        search_range: Sequence[str] | None = None,
-    ) -> None:
-        """See `ManagerCore.prefetch`."""
-        return self._run(self._core.prefetch(lookup_id, spans, search_range))
-
-    def wait(self, lookup_id: str, timeout: float | None = None) -> int:
-        """See `ManagerCore.wait`."""
-        return self._run(self._core.wait(lookup_id, timeout))
 
     def get(
         self,
@@ -729,44 +720,19 @@ class StorageManager:
         own): what a client with a read cache sends when it holds the batches."""
         return self.get(spans, None, False, True)
 
-    @ray.method(num_returns=2)
-    def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
-        """See `ManagerCore.get_batch`."""
-        return self._run(self._core.get_batch(keys))
-
-    def unpin(self, lookup_id: str) -> None:
-        """See `ManagerCore.unpin`."""
-        return self._run(self._core.unpin(lookup_id))
-
-    def remove(
-        self, keys: Sequence[CacheKey | ChunkSpan], search_range: Sequence[str] | None = None
-    ) -> int:
-        """See `ManagerCore.remove`."""
-        return self._run(self._core.remove(keys, search_range))
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """See `ManagerCore.flush`."""
-        return self._run(self._core.flush(timeout))
-
-    def stats(self) -> dict[str, Any]:
-        """See `ManagerCore.stats`."""
-        return self._run(self._core.stats())
-
-    def clear(self) -> None:
-        """See `ManagerCore.clear`."""
-        return self._run(self._core.clear())
-
-    def incarnations(self) -> dict[str, str | None]:
-        """See `ManagerCore.incarnations`."""
-        return self._run(self._core.incarnations())
-
-    def indexed_keys(self, tier: str) -> list[CacheKey]:
-        """See `ManagerCore.indexed_keys`."""
-        return self._run(self._core.indexed_keys(tier))
-
-    def tier_handles(self) -> dict[str, Any]:
-        """See `ManagerCore.tier_handles`."""
-        return self._run(self._core.tier_handles())
+    # Everything else runs on the loop as it is (the core's signature and docstring).
+    put = _on_loop("put")
+    prefetch = _on_loop("prefetch")
+    wait = _on_loop("wait")
+    get_batch = ray.method(num_returns=2)(_on_loop("get_batch"))
+    unpin = _on_loop("unpin")
+    remove = _on_loop("remove")
+    flush = _on_loop("flush")
+    stats = _on_loop("stats")
+    clear = _on_loop("clear")
+    incarnations = _on_loop("incarnations")
+    indexed_keys = _on_loop("indexed_keys")
+    tier_handles = _on_loop("tier_handles")
 
 
 __all__ = [
