@@ -1,0 +1,598 @@
+"""ManagerCore: the state and logic of the cache's one entry point (`StorageManager`).
+
+All it knows about the tiers lives in one `raykv.tiers.index.PrefixIndex` (plain Python,
+unit-tested without Ray); it makes the batched calls to the tier actors and feeds their
+replies into the index. One client call per request.
+
+Keys that no index knows are asked of the remote tier (other instances may have written
+them) in one call bounded by `lookup_timeout_ms`. A background task polls every tier
+once a second: a new incarnation resyncs that tier's index (a restarted CPU store lost
+its objects, a restarted disk tier rebuilt from its files), a CPU ack that never arrived
+resyncs the CPU index, and a tier whose actor died for good is re-created at once while
+the other tiers keep serving. A restarted manager rebuilds its whole index from the tiers.
+
+Keys are passed as `ChunkSpan`s (token range + key) so that answers are in tokens: a hit
+prefix of n chunks is worth `spans[n-1].end` tokens.
+
+Its coroutines run on the `StorageManager` actor's event loop; its `try_*` methods run
+on the actor's Ray threads under the loop's lock (see `raykv.actors.storage_manager`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import ActorDiedError
+
+from raykv import metrics
+from raykv.actors.base import STORAGE_MANAGER_NAME
+from raykv.actors.factory import (
+    scoped,
+)
+from raykv.actors.peers import ControllerLink
+from raykv.actors.tierset import TierSet
+from raykv.config import RayKVConfig
+from raykv.errors import InvalidInputError
+from raykv.keys import CacheKey, ChunkSpan
+from raykv.payload import PayloadMeta
+from raykv.tiers.index import (
+    TIER_PEER,
+    Lookup,
+    Segment,
+    as_keys,
+    kind,
+    leading,
+    split_spans,
+    tokens,
+)
+from raykv.tiers.lease import sweep_forever
+from raykv.tiers.remote import RemoteStore
+from raykv.wire import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_REMOTE,
+    CPUAck,
+    PackedSpans,
+    PutResult,
+    RetrieveResult,
+)
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+# `wait` on a lookup id it does not know waits this long for its prefetch to arrive.
+WAIT_FOR_PREFETCH_SECS = 1.0
+
+
+def _extend_remote(segs: list[Segment], n: int, found: int) -> int:
+    """Add the `found` chunks after the first `n` to the plan `segs` as remote hits."""
+    if found:
+        if segs and segs[-1][0] == TIER_REMOTE:
+            segs[-1] = (TIER_REMOTE, segs[-1][1], n + found)
+        else:
+            segs.append((TIER_REMOTE, n, n + found))
+    return n + found
+
+
+@dataclass(slots=True)
+class RemoteProbe:
+    """A lookup waiting for the remote server (`ManagerCore.try_lookup`): `ask` runs on a
+    Ray thread without the manager's lock, `finish_probe` under it."""
+
+    store: RemoteStore
+    trial: bool
+    keys: list[CacheKey]
+    ends: list[int]
+    segs: list[Segment]
+    n: int
+    pin: bool
+    lookup_id: str | None
+    found: list[bool] | None = None
+    error: BaseException | None = None
+
+    def ask(self) -> None:
+        """Ask the server which keys after the first `n` it holds (blocks, bounded)."""
+        try:
+            ask = self.store.contains_blocking
+            self.found = ask(self.keys[self.n :], self.store.timeout_s)  # type: ignore[misc]
+        except Exception as exc:  # a timeout, a dead server: a miss, counted
+            self.error = exc
+
+
+class ManagerCore:
+    """The manager's state and logic: write-all puts, prefix lookups across tiers,
+    prefetch into CPU, and gets that promote lower-tier hits into CPU.
+
+    Its coroutines run on one event loop (the `StorageManager` actor's), so prefetch
+    tasks can be awaited by `wait`/`get`. The `try_*` methods are the same answers made
+    synchronously, for a request the index alone can answer; they return None when the
+    request needs the loop (a tier call, a prefetch to wait for, start-up).
+    """
+
+    def __init__(self, config: RayKVConfig, node_id: str | None = None) -> None:
+        self._config = config
+        self._node_id = node_id
+        self._name = scoped(STORAGE_MANAGER_NAME, node_id)
+        link = None
+        if config.enable_controller:
+            instance = node_id or ray.get_runtime_context().get_node_id()
+            timeout = config.lookup_timeout_ms / 2000
+            link = ControllerLink(config.namespace, instance, self._name, node_id, timeout)
+        self._t = TierSet(config, node_id, link)
+        self._index = self._t.index
+        self._link = link
+        self._tiers = self._t.handles
+        self._arrivals: dict[str, asyncio.Event] = {}  # waits that overtook their prefetch
+        self._started: asyncio.Task | None = None
+
+    # ----- start-up, restarts, background tasks -----
+
+    @property
+    def started(self) -> bool:
+        """Whether start-up (the index rebuilt from the tiers) has finished."""
+        return self._started is not None and self._started.done()
+
+    async def _ready(self) -> None:
+        """First call after (re)start: rebuild the whole index from the tiers."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._startup())
+        if not self._started.done():
+            await asyncio.shield(self._started)
+
+    async def _startup(self) -> None:
+        await asyncio.gather(*(self._t.resync(t) for t in self._index.order))
+        self._t.spawn(self._t.watch())
+        self._t.spawn(sweep_forever(self._config.pin_lease_secs, self._expire_lookups))
+        if self._link is not None:
+            self._t.spawn(self._link.report_loop(self._index.snapshot))
+
+    def _expire_lookups(self) -> list[str]:
+        """Release lookups whose client never came back (died, or forgot to get/unpin)."""
+        expired = self._index.expired()
+        for lookup_id in expired:
+            logger.info("lookup %s: lease expired, releasing its pins", lookup_id)
+            self._close(lookup_id)
+        return expired
+
+    def _close(self, lookup_id: str) -> Lookup | None:
+        rec = self._index.close(lookup_id)
+        # A prefetch still loading unpins when it finishes (it may pin more first).
+        if rec is not None and self._t.cpu is not None and not rec.loading():
+            self._t.cpu.unpin.remote(lookup_id)
+        return rec
+
+    # ----- plans and pulls -----
+
+    async def _full_plan(
+        self, keys: list[CacheKey], tiers: Sequence[str]
+    ) -> tuple[list[Segment], int]:
+        segs, n = self._index.plan(keys, tiers)
+        if n < len(keys) and self._peer_tier_on() and tiers is self._index.order:
+            peer = await self._link.locate(keys[n:])
+            if peer is not None:
+                segs.append((peer[0], n, n + peer[1]))
+                n += peer[1]
+        if n < len(keys) and TIER_REMOTE in tiers and self._index.up(TIER_REMOTE):
+            n = _extend_remote(segs, n, await self._t.probe_remote(keys[n:]))
+        return segs, n
+
+    def _count_lookup(self, segs: list[Segment], ends: list[int], n: int) -> None:
+        hit, miss = self._index.count_lookup(segs, ends, n)
+        metrics.inc("raykv_lookups")
+        metrics.inc("raykv_hit_tokens", hit)
+        metrics.inc("raykv_miss_tokens", miss)
+        for tier, a, b in segs:
+            metrics.inc(
+                "raykv_tier_hit_tokens", ends[b - 1] - (ends[a - 1] if a else 0), tier=kind(tier)
+            )
+
+    # ----- public API -----
+
+    async def put(
+        self,
+        keys: Sequence[CacheKey | ChunkSpan] | PackedSpans,
+        metas: Sequence[PayloadMeta],
+        batch: list[ray.ObjectRef],
+        priority: int | None = None,
+        prefix: Sequence[CacheKey] | None = None,
+    ) -> PutResult:
+        """Write-all: cache `ray.get(batch[0])[i]` under `keys[i]` in CPU (awaited), then
+        write it to disk and remote in the background.
+
+        `batch` is a one-element list holding the client's batch ref (a list, so Ray
+        passes the ref instead of the value). `priority` reaches the tiers' policies (the
+        `priority` policy uses it); `prefix` names the request's chunks before `keys`
+        (stored earlier), which the tiers keep at least as recent (prefix-closed).
+        Returns what the CPU tier did.
+        """
+        await self._ready()
+        t0 = time.perf_counter()
+        keys, metas = as_keys(keys), list(metas)
+        if len(keys) != len(metas):
+            raise InvalidInputError(f"got {len(keys)} keys but {len(metas)} metas")
+        if not isinstance(batch, list) or len(batch) != 1:
+            raise InvalidInputError("batch must be a list holding one ObjectRef: [ray.put(arrays)]")
+        extra: dict[str, Any] = {} if priority is None else {"priority": priority}
+        if prefix:  # the request's cached chunks before these: kept at least as recent
+            extra["prefix"] = list(prefix)
+        result, lower_batch, cpu = PutResult(), batch, self._t.cpu
+        if cpu is not None:
+            try:
+                ack = await cpu.put.remote(keys, metas, batch, **extra)
+            except Exception as exc:
+                logger.warning("CPU tier put failed (%s); lower tiers still written", exc)
+                if isinstance(exc, ActorDiedError):
+                    self._t.schedule_check(TIER_CPU)
+                ack = None
+            if ack is not None:
+                self._t.apply_cpu(ack)
+                result = PutResult(len(ack.accepted), len(ack.present), len(ack.skipped))
+                lower_batch = self._owned_batch(keys, ack) or batch
+        self._t.write_lower(keys, metas, lower_batch, extra)
+        self._index.counts["puts"] += 1
+        metrics.observe("raykv_store_latency_ms", (time.perf_counter() - t0) * 1000)
+        return result
+
+    @staticmethod
+    def _owned_batch(keys: list[CacheKey], ack: CPUAck) -> list[ray.ObjectRef] | None:
+        """The CPU store's copy when it holds exactly `keys` in order: it outlives the writer."""
+        if ack.accepted != keys:
+            return None
+        first = ack.refs[keys[0]].ref
+        if any(ack.refs[k].index != i or ack.refs[k].ref != first for i, k in enumerate(keys)):
+            return None
+        return [first]
+
+    async def lookup(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+        lookup_id: str | None = None,
+    ) -> int:
+        """Prefix tokens available across tiers (CPU, then disk, then remote).
+
+        Each tier serves the longest prefix of the keys left by the tiers before it; a
+        miss ends the prefix. With `pin` (needs `lookup_id`) the CPU part stays cached
+        until `get(..., lookup_id)`, `unpin(lookup_id)` or the lease ends.
+        """
+        await self._ready()
+        keys, ends = split_spans(spans)
+        if pin and lookup_id is None:
+            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
+        segs, n = await self._full_plan(keys, self._index.tiers_for(search_range))
+        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+
+    def try_lookup(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+        lookup_id: str | None = None,
+    ) -> int | RemoteProbe | None:
+        """`lookup` from the index alone; or a `RemoteProbe` to ask of a `ray://` remote
+        from the calling thread and finish with `finish_probe`; or None if the loop must
+        answer (start-up, a peer to ask, a Redis remote)."""
+        if not self.started:
+            return None
+        keys, ends = split_spans(spans)
+        if pin and lookup_id is None:
+            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
+        tiers = self._index.tiers_for(search_range)
+        segs, n = self._index.plan(keys, tiers)
+        if n < len(keys) and self._may_extend_plan(tiers):
+            probe = self._t.blocking_probe()
+            if probe is None or (self._peer_tier_on() and tiers is self._index.order):
+                return None
+            trial = probe.admit()
+            if trial is not None:  # else backing off: a miss, as the loop would answer
+                return RemoteProbe(probe, trial, keys, ends, segs, n, pin, lookup_id)
+        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+
+    def finish_probe(self, probe: RemoteProbe) -> int:
+        """The end of a lookup whose remote probe ran on a Ray thread (`try_lookup`)."""
+        probe.store.settle("contains", probe.trial, probe.error)
+        rest = probe.keys[probe.n :]
+        found = self._t.probed(rest, probe.found or [], probe.error is not None)
+        n = _extend_remote(probe.segs, probe.n, found)
+        p = probe
+        return self._finish_lookup(p.keys, p.ends, p.segs, n, p.pin, p.lookup_id)
+
+    def _may_extend_plan(self, tiers: Sequence[str]) -> bool:
+        """Whether `_full_plan` would ask beyond the index (a peer, the remote)."""
+        peer = self._peer_tier_on() and tiers is self._index.order
+        return peer or (TIER_REMOTE in tiers and self._index.up(TIER_REMOTE))
+
+    def _finish_lookup(
+        self,
+        keys: list[CacheKey],
+        ends: list[int],
+        segs: list[Segment],
+        n: int,
+        pin: bool,
+        lookup_id: str | None,
+    ) -> int:
+        self._count_lookup(segs, ends, n)
+        if pin and segs and segs[0][0] == TIER_CPU:
+            self._pin(self._index.record(lookup_id, ends), keys[: segs[0][2]])
+        return tokens(ends, n)
+
+    def _pin(self, rec: Lookup, keys: list[CacheKey]) -> None:
+        """Pin CPU hits: the index holds their refs, the CPU store is told without waiting
+        (the refs keep the data readable even if the message loses a race with an evict;
+        a pin that arrives after its unpin is ignored by the CPU store)."""
+        got = self._index.pin(rec, keys)
+        if got and self._t.cpu is not None:
+            self._t.cpu.pin.remote(rec.lookup_id, keys[:got], self._index.leases.secs)
+
+    async def prefetch(
+        self,
+        lookup_id: str,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        search_range: Sequence[str] | None = None,
+    ) -> None:
+        """Start loading the prefix of `spans` into CPU and return at once; the loaded
+        chunks are pinned under `lookup_id` until its get or unpin. See `wait`."""
+        await self._ready()
+        keys, ends = split_spans(spans)
+        tiers = self._index.tiers_for(search_range)
+        self._close(lookup_id)
+        rec = self._index.record(lookup_id, ends)
+        rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, tiers))
+        arrived = self._arrivals.pop(lookup_id, None)
+        if arrived is not None:
+            arrived.set()
+
+    async def _load(self, rec: Lookup, keys: list[CacheKey], tiers: list[str]) -> int:
+        t0 = time.perf_counter()
+        segs, n = await self._full_plan(keys, tiers)
+        self._count_lookup(segs, rec.ends, n)
+        if segs and segs[0][0] == TIER_CPU:
+            self._pin(rec, keys[: segs[0][2]])
+            segs = segs[1:]
+        pulls = await asyncio.gather(
+            *(self._t.pull(tier, keys[a:b], rec.lookup_id) for tier, a, b in segs)
+        )
+        for (_tier, a, b), ack in zip(segs, pulls, strict=True):
+            if ack is None or not self._index.take_loaded(rec, keys[a:b], a, ack):
+                break
+        if rec.closed and self._t.cpu is not None:
+            self._t.cpu.unpin.remote(rec.lookup_id)  # unpinned while loading
+        metrics.observe("raykv_prefetch_latency_ms", (time.perf_counter() - t0) * 1000)
+        return rec.ready
+
+    async def wait(self, lookup_id: str, timeout: float | None = None) -> int:
+        """Prefix tokens of `lookup_id`'s prefetch ready in CPU (0 if unknown).
+
+        Waits for the prefetch to finish, or at most `timeout` seconds and then reports
+        what is ready so far. An id not known yet gets up to `WAIT_FOR_PREFETCH_SECS`
+        (at most `timeout`) for its prefetch to arrive.
+        """
+        rec = self._index.lookups.get(lookup_id)
+        if rec is None:
+            budget = (
+                WAIT_FOR_PREFETCH_SECS if timeout is None else min(timeout, WAIT_FOR_PREFETCH_SECS)
+            )
+            arrived = self._arrivals.setdefault(lookup_id, asyncio.Event())
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(arrived.wait(), max(budget, 0.0))
+            except (asyncio.TimeoutError, TimeoutError):
+                if self._arrivals.get(lookup_id) is arrived:
+                    del self._arrivals[lookup_id]
+                return 0
+            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+            rec = self._index.lookups.get(lookup_id)
+            if rec is None:
+                return 0
+        if rec.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.task), timeout)
+            except asyncio.TimeoutError:
+                pass
+            except Exception as exc:  # a failed load shortens the prefix, never the request
+                logger.warning("prefetch %s failed: %s", lookup_id, exc)
+        return tokens(rec.ends, rec.ready)
+
+    async def get(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        lookup_id: str | None = None,
+        check_cpu: bool = False,
+        ids: bool = False,
+    ) -> tuple:
+        """The chunks of the longest available prefix, served from CPU, as the plain tuple
+        `RetrieveResult.wire()` (read it with `RetrieveResult.of`: a plain tuple costs the
+        caller ~0.1-0.25 ms less per call than a pickled object).
+
+        Lower-tier hits are promoted into CPU (one pull per tier, concurrently).
+        Releases `lookup_id`'s pins and applies this request's hits as one prefix-closed
+        touch. Pass `check_cpu=True` after a read failed with `OwnerDiedError` (the CPU
+        store restarted or died): the manager then checks the CPU store before answering.
+        With `ids`, batches are named by object id instead of ref (`RetrieveResult.wire`).
+        """
+        await self._ready()
+        t0 = time.perf_counter()
+        keys, ends = split_spans(spans)
+        if check_cpu and TIER_CPU in self._tiers:
+            await self._t.check(TIER_CPU)
+        rec = self._index.close(lookup_id) if lookup_id is not None else None
+        if rec is not None and rec.task is not None:
+            try:
+                await asyncio.shield(rec.task)
+            except Exception as exc:
+                logger.warning("prefetch %s failed: %s", lookup_id, exc)
+        result = self._index.collect(keys, rec.refs if rec is not None else {})
+        if len(result.chunks) < len(keys):  # lower-tier hits, promoted into CPU
+            await self._get_lower(keys, len(result.chunks), result)
+        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+
+    def try_get(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        lookup_id: str | None = None,
+        ids: bool = False,
+    ) -> tuple | None:
+        """`get` from CPU alone, or None if it needs the loop: a prefetch still loading,
+        or a miss that a lower tier, a peer or the remote might extend."""
+        if not self.started:
+            return None
+        t0 = time.perf_counter()
+        keys, ends = split_spans(spans)
+        rec = self._index.lookups.get(lookup_id) if lookup_id is not None else None
+        if rec is not None and rec.task is not None and not rec.task.done():
+            return None
+        result = self._index.collect(keys, rec.refs if rec is not None else {})
+        if len(result.chunks) < len(keys) and self._may_extend_get(keys, len(result.chunks)):
+            return None
+        if lookup_id is not None:
+            self._index.close(lookup_id)
+        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+
+    def _may_extend_get(self, keys: list[CacheKey], start: int) -> bool:
+        """Whether `_get_lower` could add chunks after `keys[:start]`."""
+        segs, _ = self._index.local_lower_plan(keys, start)
+        return bool(segs) or self._peer_tier_on() or self._index.up(TIER_REMOTE)
+
+    def _finish_get(
+        self,
+        keys: list[CacheKey],
+        ends: list[int],
+        lookup_id: str | None,
+        result: RetrieveResult,
+        t0: float,
+        ids: bool,
+    ) -> tuple:
+        if TIER_CPU in self._tiers and (result.chunks or lookup_id is not None):
+            touched = [k for k in keys[: len(result.chunks)] if k in self._index.cpu]
+            self._t.queue_release(lookup_id, touched)  # batched; the client does not wait
+        result.hit_tokens = tokens(ends, len(result.chunks))
+        self._index.counts["retrieved_tokens"] += result.hit_tokens
+        metrics.observe("raykv_retrieve_latency_ms", (time.perf_counter() - t0) * 1000)
+        return result.wire(ids)
+
+    async def _get_lower(self, keys: list[CacheKey], start: int, result: RetrieveResult) -> None:
+        """Extend `result` from `keys[start:]`: local lower tiers first (by index), then a
+        peer's CPU tier (if the controller knows one), then the shared remote tier for the
+        rest. A peer that comes back short leaves the rest to the remote tier."""
+        segs, pos = self._index.local_lower_plan(keys, start)
+        n = len(keys)
+        if pos < n and self._peer_tier_on():
+            peer = await self._link.locate(keys[pos:])
+            if peer is not None:
+                segs.append((peer[0], pos, pos + peer[1]))
+                pos += peer[1]
+        if pos < n and self._index.up(TIER_REMOTE):
+            segs.append((TIER_REMOTE, pos, n))  # keys no index knows may be on the remote
+        pulls = await asyncio.gather(*(self._t.pull(t, keys[a:b], None) for t, a, b in segs))
+        for (tier, a, b), ack in zip(segs, pulls, strict=True):
+            got = self._extend(result, keys[a:b], ack, kind(tier))
+            if got < b - a:
+                if kind(tier) == TIER_PEER and self._index.up(TIER_REMOTE):
+                    ack = await self._t.pull(TIER_REMOTE, keys[a + got :], None)
+                    self._extend(result, keys[a + got :], ack, TIER_REMOTE)
+                return
+
+    @staticmethod
+    def _extend(result: RetrieveResult, keys: list[CacheKey], ack: CPUAck | None, tier: str) -> int:
+        """Append the prefix of `keys` that `ack` served; how many that was."""
+        got = leading(keys, 0, ack.refs) if ack is not None else 0
+        result.chunks.extend(ack.refs[k] for k in keys[:got])
+        result.tiers.extend([tier] * got)
+        return got
+
+    # ----- the peer tier -----
+
+    def _peer_tier_on(self) -> bool:
+        return self._link is not None and self._t.cpu is not None
+
+    async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
+        """The peer tier's read (`LowerTier.get_batch`): this node's CPU chunks of `keys`,
+        copied into one new object that the caller (another node's CPU store) owns."""
+        await self._ready()
+        chunks = [self._index.cpu.get(k) for k in keys]
+        refs = list({c.ref: None for c in chunks if c is not None})
+        try:
+            values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
+        except Exception as exc:  # our CPU store restarted: misses
+            logger.warning("peer read of %d chunks failed: %s", len(refs), exc)
+            return [None] * len(keys), [_EMPTY] * len(keys)
+        metas = [c.meta if c is not None else None for c in chunks]
+        arrays = [values[c.ref][c.index] if c is not None else _EMPTY for c in chunks]
+        return metas, arrays
+
+    async def unpin(self, lookup_id: str) -> None:
+        """Release the pins of `lookup_id` without reading (the request was dropped)."""
+        if self._close(lookup_id) is None and self._t.cpu is not None:
+            self._t.cpu.unpin.remote(lookup_id)
+
+    async def remove(
+        self, keys: Sequence[CacheKey | ChunkSpan], search_range: Sequence[str] | None = None
+    ) -> int:
+        """Drop `keys` from the tiers (all, or those in `search_range`); chunks removed."""
+        await self._ready()
+        keys = as_keys(keys)
+        tiers = self._index.tiers_for(search_range)
+        self._index.remove(keys, tiers)
+        self._t.flush_releases()  # touches queued before this removal reach the store first
+        counts = await asyncio.gather(
+            *(self._tiers[t].remove.remote(keys) for t in tiers), return_exceptions=True
+        )
+        return sum(c for c in counts if isinstance(c, int))
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background lower-tier writes are acknowledged and the disk tier has
+        written them; False on timeout. For tests, benchmarks and orderly shutdowns."""
+        await self._ready()
+        pending = self._t.pending_writes()
+        try:
+            if pending:
+                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+            if TIER_DISK in self._tiers:
+                return bool(await asyncio.wait_for(self._tiers[TIER_DISK].flush.remote(), timeout))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        """Per tier: entries, used bytes, capacity, hits/misses, evictions; overall hit rate."""
+        await self._ready()
+        return await self._t.stats()
+
+    async def clear(self) -> None:
+        """Empty every tier and the index."""
+        await self._ready()
+        for lookup_id in self._index.clear():
+            if self._t.cpu is not None:
+                self._t.cpu.unpin.remote(lookup_id)
+        await asyncio.gather(
+            *(self._tiers[t].clear.remote() for t in self._index.order), return_exceptions=True
+        )
+        self._index.clear()
+
+    async def incarnations(self) -> dict[str, str | None]:
+        """The incarnation of each tier the index was built from."""
+        await self._ready()
+        return dict(self._index.incarnations)
+
+    async def indexed_keys(self, tier: str) -> list[CacheKey]:
+        """The keys the index says `tier` holds, to check it against the tier's own `keys()`
+        (tools and tests; a remote tier's index is a bounded sample)."""
+        await self._ready()
+        if tier not in self._index.order:
+            raise InvalidInputError(f"tier {tier!r} is not enabled; enabled: {self._index.order}")
+        return list(self._index.held(tier))
+
+    async def tier_handles(self) -> dict[str, Any]:
+        """tier name -> actor handle (for tools and tests)."""
+        return dict(self._tiers)
+
+
+__all__ = ["ManagerCore", "RemoteProbe", "WAIT_FOR_PREFETCH_SECS"]
