@@ -451,7 +451,8 @@ class KVCache:
         reads = self._reads
         # Objects this client holds are named by id (no refs to register); a miss of
         # the read cache asks again with refs, a failed read asks the CPU store first.
-        ids = reads is not None and reads.covers([s.key for s in spans])
+        keys = [s.key for s in spans] if reads is not None else []
+        ids = reads is not None and reads.covers(keys)
         check_cpu = False
         for _attempt in range(3):
             method = "get"
@@ -489,7 +490,7 @@ class KVCache:
             values = dict(zip(refs, got, strict=True))
             pairs = list(zip(spans, result.chunks, strict=False))
             if reads is not None:
-                reads.note([span.key for span, _ in pairs], [c.ref for _, c in pairs])
+                reads.note(keys[: len(pairs)], [c.ref for _, c in pairs])
             chunks = [(span, values[c.ref][c.index], c.meta) for span, c in pairs]
             return chunks, list(result.tiers)
         return [], []

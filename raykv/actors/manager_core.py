@@ -174,14 +174,22 @@ class ManagerCore:
         self, keys: list[CacheKey], tiers: Sequence[str]
     ) -> tuple[list[Segment], int]:
         segs, n = self._index.plan(keys, tiers)
-        if n < len(keys) and self._peer_tier_on() and tiers is self._index.order:
+        if n < len(keys) and self._asks_peer(tiers):
             peer = await self._link.locate(keys[n:])
             if peer is not None:
                 segs.append((peer[0], n, n + peer[1]))
                 n += peer[1]
-        if n < len(keys) and TIER_REMOTE in tiers and self._index.up(TIER_REMOTE):
+        if n < len(keys) and self._asks_remote(tiers):
             n = _extend_remote(segs, n, await self._t.probe_remote(keys[n:]))
         return segs, n
+
+    def _asks_peer(self, tiers: Sequence[str]) -> bool:
+        """Whether a lookup over `tiers` asks the controller for a peer (all tiers only)."""
+        return self._peer_tier_on() and tiers is self._index.order
+
+    def _asks_remote(self, tiers: Sequence[str]) -> bool:
+        """Whether a lookup over `tiers` probes the remote for keys no index knows."""
+        return TIER_REMOTE in tiers and self._index.up(TIER_REMOTE)
 
     def _count_lookup(self, segs: list[Segment], ends: list[int], n: int) -> None:
         hit, miss = self._index.count_lookup(segs, ends, n)
@@ -287,9 +295,11 @@ class ManagerCore:
             raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
         tiers = self._index.tiers_for(search_range)
         segs, n = self._index.plan(keys, tiers)
-        if n < len(keys) and self._may_extend_plan(tiers):
+        if n < len(keys) and self._asks_peer(tiers):
+            return None
+        if n < len(keys) and self._asks_remote(tiers):
             probe = self._t.blocking_probe()
-            if probe is None or (self._peer_tier_on() and tiers is self._index.order):
+            if probe is None:
                 return None
             trial = probe.admit()
             if trial is not None:  # else backing off: a miss, as the loop would answer
@@ -304,11 +314,6 @@ class ManagerCore:
         n = _extend_remote(probe.segs, probe.n, found)
         p = probe
         return self._finish_lookup(p.keys, p.ends, p.segs, n, p.pin, p.lookup_id)
-
-    def _may_extend_plan(self, tiers: Sequence[str]) -> bool:
-        """Whether `_full_plan` would ask beyond the index (a peer, the remote)."""
-        peer = self._peer_tier_on() and tiers is self._index.order
-        return peer or (TIER_REMOTE in tiers and self._index.up(TIER_REMOTE))
 
     def _finish_lookup(
         self,
