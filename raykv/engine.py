@@ -73,6 +73,7 @@ class KVCache:
         self._keys = KeyMaker.from_config(config)
         self._dtype = getattr(torch, config.kv_dtype)
         self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
+        self._metas: dict[int, PayloadMeta] = {}  # chunk length -> meta, under that geometry
         # Pinned lookups this client named itself (a caller-named one is the caller's to
         # retrieve or unpin), oldest first: lookup id -> key of its last pinned chunk.
         self._pins: OrderedDict[str, CacheKey] = OrderedDict()
@@ -255,7 +256,7 @@ class KVCache:
         retrieves, stats and flushes first wait for its staged stores.
         """
         tokens = as_token_array(tokens)  # once: the key maker takes it as it is
-        spans = self.spans(tokens, mask)
+        spans = self._keys.keys_of(tokens, mask)
         n_tokens = len(tokens)
         limit = self.config.priority_limit
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
@@ -264,7 +265,7 @@ class KVCache:
             return 0
         # The request's chunks before the stored ones (a mask skipped them): the tiers
         # keep them at least as recent as the new chunks, so eviction stays prefix-closed.
-        every = self.spans(tokens) if mask is not None else spans
+        every = self._keys.keys_of(tokens) if mask is not None else spans
         prefix = [s.key for s in every[: len(every) - len(spans)]]
         self._check_source(kv, spans, n_tokens)
         metas = [self._meta(span) for span in spans]
@@ -284,8 +285,14 @@ class KVCache:
         return sum(s.end - s.start for s in spans[:held])
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:
-        num_layers, hidden = self._geometry  # type: ignore[misc]
-        return PayloadMeta(self.config.kv_dtype, (2, num_layers, span.end - span.start, hidden))
+        """The meta of a chunk of this model's KV (one per chunk length, built once: the
+        layout is fixed on first use)."""
+        n = span.end - span.start
+        meta = self._metas.get(n)
+        if meta is None:
+            num_layers, hidden = self._geometry  # type: ignore[misc]
+            meta = self._metas[n] = PayloadMeta(self.config.kv_dtype, (2, num_layers, n, hidden))
+        return meta
 
     def lookup(self, tokens: Any, pin: bool = False, lookup_id: str | None = None) -> int:
         """How many prefix tokens of `tokens` the cache holds, across all tiers.
@@ -422,8 +429,8 @@ class KVCache:
     ) -> tuple[list[tuple[ChunkSpan, torch.Tensor]], list[str]]:
         """The cached prefix of `tokens` as `KV_2LTD` tensors, and the tier each came from."""
         if lookup_id is None and mask is not None:  # the pin may be on a masked-out chunk
-            lookup_id = self._pin_for(self.spans(tokens))
-        chunks, tiers = self.get_chunks(self.spans(tokens, mask), lookup_id)
+            lookup_id = self._pin_for(self._keys.keys_of(tokens))
+        chunks, tiers = self.get_chunks(self._keys.keys_of(tokens, mask), lookup_id)
         out = self._materialise(chunks)
         return out, tiers[: len(out)]
 
@@ -506,15 +513,9 @@ class KVCache:
         self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]]
     ) -> list[tuple[ChunkSpan, torch.Tensor]]:
         """Zero-copy tensors of the leading chunks that hold this model's KV."""
-        num_layers, hidden = self._geometry  # type: ignore[misc]  # set from the destination
-        # One expected meta per chunk length (a request has one or two), not one per chunk.
-        expected: dict[int, PayloadMeta] = {}
         good = 0
         for span, buf, meta in chunks:
-            n = span.end - span.start
-            want = expected.get(n)
-            if want is None:
-                want = expected[n] = PayloadMeta(self.config.kv_dtype, (2, num_layers, n, hidden))
+            want = self._meta(span)
             if meta != want or buf.nbytes != want.nbytes:
                 # Not this model's KV (another model under the same model_name, or a hostile
                 # writer with a valid checksum): the prefix ends here, the app sees a miss.

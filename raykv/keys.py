@@ -12,6 +12,7 @@ on PYTHONHASHSEED or on the input container (list, numpy array, torch tensor).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
@@ -176,8 +177,8 @@ def as_token_array(tokens: Any) -> np.ndarray:
         and tokens.dtype == _LE_INT32
         and tokens.ndim == 1
         and tokens.flags.c_contiguous
-    ):  # already normalised (a store hashes what it checked): only the sign to check
-        if tokens.size and int(tokens.min()) < 0:
+    ):  # already int32: only the sign to check
+        if tokens.size and _out_of_range(tokens):
             raise InvalidInputError(
                 f"token ids must lie in [0, {_INT32_MAX}], got min={int(tokens.min())}"
             )
@@ -202,7 +203,7 @@ def as_token_array(tokens: Any) -> np.ndarray:
         raise InvalidInputError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise InvalidInputError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
+    if arr.size and _out_of_range(arr):
         raise InvalidInputError(
             f"token ids must lie in [0, {_INT32_MAX}], "
             f"got min={int(arr.min())} max={int(arr.max())}"
@@ -210,6 +211,17 @@ def as_token_array(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<i4")
 
 
+def _out_of_range(arr: np.ndarray) -> bool:
+    """Whether an integer array holds an id outside [0, 2**31): one pass, not a min and a
+    max (signed ids are read as unsigned, so a negative one is a huge one)."""
+    if arr.dtype.kind == "i":
+        if arr.dtype.itemsize < 4:  # cannot exceed the range: only the sign
+            return int(arr.min()) < 0
+        arr = arr.view(arr.dtype.str.replace("i", "u"))  # same width and byte order
+    return int(arr.max()) > _INT32_MAX
+
+
+@functools.lru_cache(maxsize=64)
 def _seed_digest(seed: str | int | bytes) -> bytes:
     if isinstance(seed, int) and not isinstance(seed, bool):
         seed = str(seed)
@@ -233,12 +245,18 @@ def chain_hashes(
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    arr = as_token_array(tokens)
-    data = memoryview(arr.tobytes())
+    return _chain(as_token_array(tokens), chunk_size, _seed_digest(seed), save_unfull_chunk)
+
+
+def _chain(
+    arr: np.ndarray, chunk_size: int, seed_digest: bytes, save_unfull_chunk: bool
+) -> list[tuple[int, int, bytes]]:
+    """`chain_hashes` of an array `as_token_array` returned (not checked again)."""
+    data = memoryview(arr).cast("B")
     n = len(arr)
     end_full = n - n % chunk_size
     stop = n if save_unfull_chunk else end_full
-    prev = _seed_digest(seed)
+    prev = seed_digest
     digest = xxhash.xxh3_128_digest
     out = []
     for start in range(0, stop, chunk_size):
@@ -315,13 +333,21 @@ class KeyMaker:
     def keys(self, tokens: Any, mask: Any = None) -> list[ChunkSpan]:
         """One `ChunkSpan` per chunk of `tokens`; chunks masked out (leading False) are left out
         but still feed the hash chain, so the keys of later chunks are unchanged."""
-        arr = as_token_array(tokens)
+        return self.keys_of(as_token_array(tokens), mask)
+
+    def keys_of(self, arr: np.ndarray, mask: Any = None) -> list[ChunkSpan]:
+        """`keys` of an array `as_token_array` returned (a caller that checked its tokens
+        already: the check is a pass over them)."""
         skip = 0 if mask is None else _mask_skip(mask, len(arr), self.chunk_size)
-        spans = chain_hashes(
-            arr, self.chunk_size, seed=self.hash_seed, save_unfull_chunk=self.save_unfull_chunk
-        )
-        key = self._key
-        return [ChunkSpan(s, e, key(d)) for s, e, d in spans if s >= skip]
+        spans = _chain(arr, self.chunk_size, _seed_digest(self.hash_seed), self.save_unfull_chunk)
+        model_name, world_size, worker_id, kv_dtype = self.identity
+        return [
+            ChunkSpan(
+                s, e, _new_key(CacheKey, (model_name, world_size, worker_id, d.hex(), kv_dtype))
+            )
+            for s, e, d in spans
+            if s >= skip
+        ]
 
     def keys_from_hashes(
         self, hashes: Sequence[int | bytes | str], offsets: Sequence[int]

@@ -193,21 +193,31 @@ def buffer_to_tensor(buf: Any, meta: PayloadMeta, *, copy: bool = False) -> torc
     return t.view(getattr(torch, meta.dtype)).reshape(meta.shape)
 
 
+# torch warns once per process (TORCH_WARN_ONCE) when it wraps read-only numpy memory:
+# after raykv's first such call, entering a warnings scope per call (~1 us warm, tens of us
+# on caches a large copy just flushed) buys nothing.
+_readonly_warning_spent = False
+
+
 def buffers_to_tensors(buffers: Sequence[np.ndarray], metas: Sequence[PayloadMeta]) -> list:
     """`buffer_to_tensor` of many flat uint8 arrays whose sizes match their metas (checked
-    by the caller), zero-copy and read-only, in one warnings scope (a retrieve of 512
-    chunks paid ~2 us per chunk for entering one)."""
+    by the caller), zero-copy and read-only; torch's one warning about read-only memory
+    is silenced on the first call that could raise it."""
     import torch
 
+    global _readonly_warning_spent
     flat = [
         b if b.dtype == np.uint8 and b.ndim == 1 else b.reshape(-1).view(np.uint8) for b in buffers
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return [
-            torch.from_numpy(buf).view(getattr(torch, meta.dtype)).reshape(meta.shape)
-            for buf, meta in zip(flat, metas, strict=True)
-        ]
+    if not _readonly_warning_spent and any(not b.flags.writeable for b in flat):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.from_numpy(next(b for b in flat if not b.flags.writeable))
+        _readonly_warning_spent = True
+    return [
+        torch.from_numpy(buf).view(getattr(torch, meta.dtype)).view(meta.shape)
+        for buf, meta in zip(flat, metas, strict=True)
+    ]
 
 
 class Header(NamedTuple):

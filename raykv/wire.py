@@ -13,6 +13,7 @@ the Ray-free tier classes in `raykv.tiers` and the actor shells share one defini
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -112,7 +113,10 @@ class RetrieveResult:
 
         With `ids`, each batch is named by its object id (`ref.binary()`, bytes) instead of
         its ref: for a reader that holds those objects already (a client's read cache), as
-        a returned ref costs the caller ~0.1-0.3 ms to register with the ref's owner."""
+        a returned ref costs the caller ~0.1-0.3 ms to register with the ref's owner. That
+        form holds no ref, so it goes as msgpack bytes: Ray pickles a returned tuple (its
+        serializer sends only bytes, str, numbers, lists and dicts as msgpack), which cost
+        both ends ~0.15 ms a call on caches a large copy had just flushed."""
         refs: dict[Any, int] = {}
         metas: dict[Any, int] = {}
         which, index, meta_of = [], [], []
@@ -121,20 +125,24 @@ class RetrieveResult:
             index.append(c.index)
             meta_of.append(metas.setdefault(c.meta, len(metas)))
         plain = [(m.dtype, m.shape, m.layout) for m in metas]
-        named = [r.binary() for r in refs] if ids else list(refs)
-        return (RESULT_WIRE, named, which, index, plain, meta_of, self.hit_tokens, self.tiers)
+        if ids:
+            named = [r.binary() for r in refs]
+            return _pack(
+                (RESULT_WIRE, named, which, index, plain, meta_of, self.hit_tokens, self.tiers)
+            )
+        return (RESULT_WIRE, list(refs), which, index, plain, meta_of, self.hit_tokens, self.tiers)
 
     @classmethod
     def of(cls, value: Any) -> RetrieveResult:
-        """The result a `wire()` tuple holds (a `RetrieveResult` is returned as is)."""
+        """The result a `wire()` form holds (a `RetrieveResult` is returned as is)."""
         if isinstance(value, RetrieveResult):
             return value
-        from raykv.payload import PayloadMeta
-
+        if isinstance(value, bytes | bytearray | memoryview):
+            value = _unpack(value, "retrieve result")
         tag, refs, which, index, plain, meta_of, hit_tokens, tiers = value
         if tag != RESULT_WIRE:
             raise ValueError(f"not a RetrieveResult wire form: {tag!r}")
-        metas = [PayloadMeta(dtype, tuple(shape), layout) for dtype, shape, layout in plain]
+        metas = [_meta(dtype, tuple(shape), layout) for dtype, shape, layout in plain]
         chunks = [
             ChunkRef(refs[w], i, metas[m]) for w, i, m in zip(which, index, meta_of, strict=True)
         ]
@@ -145,6 +153,15 @@ class RetrieveResult:
 
 
 RESULT_WIRE = "raykv.retrieve/1"
+
+
+@functools.lru_cache(maxsize=256)
+def _meta(dtype: str, shape: tuple[int, ...], layout: str) -> PayloadMeta:
+    """A `PayloadMeta` read off the wire, checked once per distinct value (a model's
+    chunks have one or two): its checks cost more than the rest of a 1-chunk reply."""
+    from raykv.payload import PayloadMeta
+
+    return PayloadMeta(dtype, shape, layout)
 
 
 class PackedKeys:

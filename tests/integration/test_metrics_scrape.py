@@ -150,9 +150,13 @@ def test_metrics_export_counts_hits_misses_and_bytes_of_a_known_workload(metrics
             samples = parse_metrics(_scrape(port))
         except OSError:
             samples = []
-        if (
+        if (  # every figure asserted below (each process flushes its metrics every second)
             total(samples, "ray_raykv_lookups_total") >= EXPECTED["lookups"]
+            and total(samples, "ray_raykv_miss_tokens_total") >= EXPECTED["miss"]
+            and total(samples, "ray_raykv_tier_hit_tokens_total", tier="cpu") >= EXPECTED["hit"]
+            and total(samples, "ray_raykv_stored_bytes_total", tier="cpu") >= EXPECTED["cpu_bytes"]
             and total(samples, "ray_raykv_used_bytes", tier="cpu") >= EXPECTED["cpu_bytes"]
+            and total(samples, "ray_raykv_store_latency_ms_count") >= 1
         ):
             break
         time.sleep(1)

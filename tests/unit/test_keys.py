@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, KeyMaker, chain_hashes, make_key
+from raykv.keys import CacheKey, KeyMaker, as_token_array, chain_hashes, make_key
 
 C = 4
 tokens_st = st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40)
@@ -103,6 +103,22 @@ def test_changing_one_token_changes_its_chunk_and_every_later_one_never_earlier(
 def test_bad_tokens_raise_invalid_input(bad):
     with pytest.raises(InvalidInputError):
         KeyMaker(chunk_size=C).keys(bad)
+
+
+@pytest.mark.parametrize("dtype", ["i1", "<i2", ">i2", "<i4", ">i4", "<i8", ">i8"])
+def test_token_range_check_holds_for_every_signed_width_and_byte_order(dtype):
+    # The check reads signed ids as unsigned in one pass: a negative id must still fail.
+    with pytest.raises(InvalidInputError, match="must lie in"):
+        as_token_array(np.array([3, -1, 2], dtype=dtype))
+    assert as_token_array(np.array([3, 0, 2], dtype=dtype)).tolist() == [3, 0, 2]
+
+
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<u8", ">u4", "<u4"])
+def test_token_ids_past_int32_fail_in_every_wide_dtype(dtype):
+    with pytest.raises(InvalidInputError, match="must lie in"):
+        as_token_array(np.array([1, 2**31], dtype=dtype))
+    top = as_token_array(np.array([2**31 - 1], dtype=dtype))
+    assert top.dtype == np.dtype("<i4") and top.tolist() == [2**31 - 1]
 
 
 def test_mask_skips_leading_chunks_but_keeps_the_hash_chain():

@@ -23,7 +23,46 @@ def test_recording_without_ray_is_a_no_op_and_caches_nothing(monkeypatch):
     metrics.inc("raykv_lookups")
     metrics.set_gauge("raykv_used_bytes", 5, tier="cpu", policy="lru")
     metrics.observe("raykv_store_latency_ms", 1.5)
-    assert metrics._created == {}
+    metrics.flush()
+    assert metrics._created == {} and not metrics._pending
+
+
+def test_values_are_queued_and_reach_ray_on_flush_counters_summed(monkeypatch):
+    calls: list[tuple[str, str, float, object]] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getattr__(self, method: str):
+            return lambda value, tags=None: calls.append((self.name, method, value, tags))
+
+    monkeypatch.setattr(metrics, "_ray_up", lambda: True)
+    monkeypatch.setattr(metrics, "_metric", Fake)
+    metrics.flush()  # whatever an earlier test left
+    calls.clear()
+    for _ in range(3):
+        metrics.inc("raykv_lookups")
+    metrics.inc("raykv_evictions", 2, tier="cpu", policy="lru")
+    metrics.inc("raykv_evictions", 5, tier="disk", policy="lru")
+    metrics.set_gauge("raykv_used_bytes", 5, tier="cpu", policy="lru")
+    metrics.set_gauge("raykv_used_bytes", 7, tier="cpu", policy="lru")
+    metrics.observe("raykv_store_latency_ms", 1.5)
+    metrics.observe("raykv_store_latency_ms", 2.5)
+    assert calls == []  # nothing reaches Ray on the request path
+    metrics.flush()
+    assert sorted(calls, key=repr) == sorted(
+        [
+            ("raykv_lookups", "inc", 3.0, None),
+            ("raykv_evictions", "inc", 2.0, {"tier": "cpu", "policy": "lru"}),
+            ("raykv_evictions", "inc", 5.0, {"tier": "disk", "policy": "lru"}),
+            ("raykv_used_bytes", "set", 7, {"tier": "cpu", "policy": "lru"}),
+            ("raykv_store_latency_ms", "observe", 1.5, None),
+            ("raykv_store_latency_ms", "observe", 2.5, None),
+        ],
+        key=repr,
+    )
+    assert metrics._flusher is not None and metrics._flusher.is_alive()  # flushes on its own
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,33 @@ def test_retrieve_result_wire_holds_each_batch_ref_and_meta_once_and_round_trips
         RetrieveResult.of(("other", [], [], [], [], [], 0, []))
 
 
+def test_retrieve_result_by_ids_is_msgpack_bytes_naming_each_batch_by_object_id():
+    # The ids form holds no ref: plain bytes (Ray sends them without pickling the reply).
+    from raykv.wire import RetrieveResult
+
+    class Ref:
+        def __init__(self, oid: bytes) -> None:
+            self.oid = oid
+
+        def binary(self) -> bytes:
+            return self.oid
+
+    a, b = Ref(b"\x01" * 28), Ref(b"\x02" * 28)
+    meta = PayloadMeta("float16", (2, 1, 4, 8))
+    chunks = [ChunkRef(a, 0, meta), ChunkRef(a, 1, meta), ChunkRef(b, 0, meta)]
+    wire = RetrieveResult(chunks, 12, [TIER_CPU] * 3).wire(ids=True)
+    assert isinstance(wire, bytes)
+    again = RetrieveResult.of(wire)
+    assert [(c.ref, c.index, c.meta) for c in again.chunks] == [
+        (a.oid, 0, meta),
+        (a.oid, 1, meta),
+        (b.oid, 0, meta),
+    ]
+    assert again.hit_tokens == 12 and again.tiers == [TIER_CPU] * 3
+    with pytest.raises(ValueError, match="malformed retrieve result"):
+        RetrieveResult.of(b"\xc1")
+
+
 def test_spans_wire_tuple_splits_like_the_spans_and_a_malformed_one_is_a_clear_error():
     from raykv.tiers.index import as_keys
     from raykv.wire import SPANS_WIRE
