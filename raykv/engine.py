@@ -2,7 +2,8 @@
 
 Every method makes ONE actor round trip to the `StorageManager` per request (plus,
 for a retrieve, one batched `ray.get` of the request's distinct batch objects, which
-is zero-copy on the manager's node). Keys are computed here, in the caller's
+is zero-copy on the manager's node; with `client_remote_probe`, a lookup also asks the
+`ray://` server in the same instant, see `raykv.probe`). Keys are computed here, in the caller's
 process, from the tokens.
 
 Faults cost cache hits, never exceptions: an unreachable or restarting manager, a
@@ -13,6 +14,7 @@ raises `raykv.errors.InvalidInputError` naming what was expected.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -34,6 +36,7 @@ from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
+from raykv.probe import Notes, ServerProbe, leading_true
 from raykv.readcache import ReadCache
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
@@ -90,6 +93,13 @@ class KVCache:
         # the same object skips its ray.get. The manager is still asked every time.
         held = config.read_cache_bytes
         self._reads = ReadCache(held) if held else None
+        # Lookups that ask a ray:// server themselves, beside the manager (config
+        # client_remote_probe): one round trip instead of two when the server extends
+        # the prefix.
+        url = config.remote_url or ""
+        probe = config.client_remote_probe and url.startswith("ray://")
+        self._probe = ServerProbe(url[len("ray://") :], config.namespace) if probe else None
+        self._notes = Notes(f"raykv-notes-{config.namespace}") if probe else None
 
     # ----- keys and validation -----
 
@@ -309,12 +319,33 @@ class KVCache:
         owned = lookup_id is not None
         if pin and lookup_id is None:
             lookup_id = uuid.uuid4().hex
-        # Only the arguments that differ from the defaults: Ray serializes each one.
-        args = (self._packed(spans), True, None, lookup_id) if pin else (self._packed(spans),)
-        hit = int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
+        hit = self._lookup(spans, pin, lookup_id)
         if pin and hit and not owned:  # a caller-named lookup is the caller's to release
             self._open_pin(lookup_id, self._last_hit_key(spans, hit))
         return hit
+
+    def _lookup(self, spans: list[ChunkSpan], pin: bool, lookup_id: str | None) -> int:
+        """Hit tokens of `spans`: the manager's answer, or with a server probe the
+        manager's local answer extended by what the `ray://` server holds after it."""
+        t0 = time.monotonic()
+        packed = self._packed(spans)
+        probe = self._probe
+        ref = probe.send(packed) if probe is not None and isinstance(packed, bytes) else None
+        # Only the arguments that differ from the defaults: Ray serializes each one.
+        if ref is None:
+            args = (packed, True, None, lookup_id) if pin else (packed,)
+            return int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
+        args = (packed, True, lookup_id) if pin else (packed,)
+        hit = int(self._call("lookup_local", *args, timeout=self._lookup_timeout, default=0))
+        if hit >= spans[-1].end:
+            return hit  # the server's answer is not needed
+        start = _chunks_within(spans, hit, self.config.chunk_size)  # chunks held locally
+        left = self._lookup_timeout - (time.monotonic() - t0)
+        found = probe.answer(ref, len(spans), left)  # type: ignore[union-attr]
+        more = leading_true(found, start) if found is not None else 0
+        # The manager indexes the server's chunks and counts the lookup; nobody waits.
+        self._notes.post(self._manager.note_remote, packed, start, more, found is None)  # type: ignore[union-attr]
+        return spans[start + more - 1].end if more else hit
 
     @staticmethod
     def _last_hit_key(spans: list[ChunkSpan], hit: int) -> CacheKey:
@@ -693,18 +724,22 @@ class KVCache:
         """Per-tier entries, bytes, hits and evictions (see `StorageManager.stats`)."""
         self._settle()
         stats = self._call("stats", timeout=30.0, default={})
-        if stats and (self._stager is not None or self._reads is not None):
+        if stats and (self._stager, self._reads, self._probe) != (None, None, None):
             client = stats["client"] = {}
             if self._stager is not None:
                 client.update(self._stager.stats())
             if self._reads is not None:
                 client.update(self._reads.stats())
+            if self._probe is not None:
+                client.update(self._probe.stats())
         return stats
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until background writes to the disk and remote tiers have landed."""
         t0 = time.monotonic()
         if self._stager is not None and not self._stager.drain(timeout):
+            return False
+        if self._notes is not None and not self._notes.drain(timeout):
             return False
         left = max(0.0, timeout - (time.monotonic() - t0))
         return bool(self._call("flush", left, timeout=left + 5.0, default=False))
@@ -724,6 +759,9 @@ class KVCache:
             self._stager.close(self._lookup_timeout * 4)
         if self._reads is not None:
             self._reads.clear()
+        if self._notes is not None:
+            self._notes.drain(self._lookup_timeout)
+            self._notes.close()
         for lookup_id in list(self._pins):
             self.unpin(lookup_id)
         self._pins.clear()
@@ -735,6 +773,15 @@ class KVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chunks_within(spans: list[ChunkSpan], hit: int, chunk_size: int) -> int:
+    """How many leading `spans` end within `hit` tokens (spans of whole chunks from token
+    0 need no search)."""
+    k = hit // chunk_size
+    if k <= len(spans) and (spans[k - 1].end if k else 0) == hit:
+        return k
+    return bisect.bisect_right([s.end for s in spans], hit)
 
 
 def attach_ray(address: str | None = None) -> None:

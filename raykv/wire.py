@@ -181,10 +181,11 @@ class PackedKeys:
         if not keys:
             return list(keys)
         identity = keys[0].identity
-        for k in keys:
-            if k.identity != identity:
+        model, world, worker, dtype = identity
+        for k in keys:  # tuple fields by index: this runs for every key
+            if k[0] != model or k[1] != world or k[2] != worker or k[4] != dtype:
                 return list(keys)
-        return cls(identity, [k.chunk_hash for k in keys])
+        return cls(identity, [k[3] for k in keys])
 
     def keys(self) -> list[CacheKey]:
         return CacheKey.many(self.identity, self.hashes)
@@ -205,8 +206,8 @@ KEYS_WIRE = "raykv.keys/1"
 
 
 def unpack_keys(keys: Sequence[CacheKey] | PackedKeys | bytes) -> list[CacheKey]:
-    """The keys of a `PackedKeys`, of its `wire()` bytes, or of a plain sequence (as a
-    list). Malformed bytes are an `InvalidInputError`."""
+    """The keys of a `PackedKeys`, of its `wire()` bytes (or a `PackedSpans`' `wire()`),
+    or of a plain sequence (as a list). Malformed bytes are an `InvalidInputError`."""
     if isinstance(keys, PackedKeys):
         return keys.keys()
     if not isinstance(keys, bytes | bytearray | memoryview):
@@ -215,8 +216,11 @@ def unpack_keys(keys: Sequence[CacheKey] | PackedKeys | bytes) -> list[CacheKey]
 
     try:
         value = _unpack(keys, "keys")
+        spans = PackedSpans.from_wire(value)  # a lookup's spans serve as its keys too
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
+    if spans is not None:
+        return spans.keys()
     if not (
         isinstance(value, list)
         and len(value) == 3
@@ -264,10 +268,12 @@ class PackedSpans(PackedKeys):
         if not spans:
             return list(spans)
         identity = spans[0].key.identity
-        for s in spans:
-            if s.key.identity != identity:
+        model, world, worker, dtype = identity
+        keys = [s[2] for s in spans]  # tuple fields by index: this runs for every key
+        for k in keys:
+            if k[0] != model or k[1] != world or k[2] != worker or k[4] != dtype:
                 return list(spans)
-        return cls(identity, [s.key.chunk_hash for s in spans], [s.end for s in spans])
+        return cls(identity, [k[3] for k in keys], [s[1] for s in spans])
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PackedSpans, (self.identity, self.hashes, self.ends))

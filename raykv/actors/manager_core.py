@@ -171,15 +171,17 @@ class ManagerCore:
     # ----- plans and pulls -----
 
     async def _full_plan(
-        self, keys: list[CacheKey], tiers: Sequence[str]
+        self, keys: list[CacheKey], tiers: Sequence[str], probe: bool = True
     ) -> tuple[list[Segment], int]:
+        """The lookup plan: what the indexes know, then a peer, then (with `probe`) what
+        the remote server holds of the keys after that."""
         segs, n = self._index.plan(keys, tiers)
         if n < len(keys) and self._asks_peer(tiers):
             peer = await self._link.locate(keys[n:])
             if peer is not None:
                 segs.append((peer[0], n, n + peer[1]))
                 n += peer[1]
-        if n < len(keys) and self._asks_remote(tiers):
+        if n < len(keys) and probe and self._asks_remote(tiers):
             n = _extend_remote(segs, n, await self._t.probe_remote(keys[n:]))
         return segs, n
 
@@ -278,16 +280,59 @@ class ManagerCore:
         segs, n = await self._full_plan(keys, self._index.tiers_for(search_range))
         return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
 
+    async def lookup_local(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        lookup_id: str | None = None,
+    ) -> int:
+        """`lookup` without asking the remote server for keys no index knows: for a client
+        that asks the `ray://` server itself, at the same time (`client_remote_probe`).
+
+        A lookup that comes back short is counted when that client reports what the
+        server held (`note_remote`); a complete one is counted now."""
+        await self._ready()
+        keys, ends = split_spans(spans)
+        if pin and lookup_id is None:
+            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
+        segs, n = await self._full_plan(keys, self._index.order, probe=False)
+        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id, count=n == len(keys))
+
+    def note_remote(
+        self, spans: Sequence[ChunkSpan] | PackedSpans, start: int, found: int, failed: bool
+    ) -> None:
+        """What the remote server held of a `lookup_local` that came back with `start`
+        chunks: the `found` chunks after them (now indexed as remote hits, so a `get`
+        pulls them from there), or `failed` if the client's probe failed. Counts that
+        lookup."""
+        keys, ends = split_spans(spans)
+        ok = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        if not (ok(start) and ok(found) and 0 <= start and 0 <= found <= len(keys) - start):
+            raise InvalidInputError(
+                f"note_remote: start={start!r} and found={found!r} must be ints with "
+                f"0 <= start and 0 <= found <= {len(keys)} - start"
+            )
+        if failed:  # counted in raykv_remote_errors by the client
+            self._index.counts["remote_errors"] += 1
+        if found and TIER_REMOTE in self._index.lower:  # a manager without one only counts
+            self._index.found_remote(keys[start : start + found])
+        # Per-tier figures from what the index knows now (a peer's share counts as a miss
+        # of the tiers); the totals are the lookup's.
+        segs, _ = self._index.plan(keys[: start + found], self._index.order)
+        self._count_lookup(segs, ends, start + found)
+
     def try_lookup(
         self,
         spans: Sequence[ChunkSpan] | PackedSpans,
         pin: bool = False,
         search_range: Sequence[str] | None = None,
         lookup_id: str | None = None,
+        probe: bool = True,
     ) -> int | RemoteProbe | None:
         """`lookup` from the index alone; or a `RemoteProbe` to ask of a `ray://` remote
         from the calling thread and finish with `finish_probe`; or None if the loop must
-        answer (start-up, a peer to ask, a Redis remote)."""
+        answer (start-up, a peer to ask, a Redis remote). Without `probe`, the same for
+        `lookup_local` (never a `RemoteProbe`)."""
         if not self.started:
             return None
         keys, ends = split_spans(spans)
@@ -297,13 +342,15 @@ class ManagerCore:
         segs, n = self._index.plan(keys, tiers)
         if n < len(keys) and self._asks_peer(tiers):
             return None
+        if not probe:
+            return self._finish_lookup(keys, ends, segs, n, pin, lookup_id, count=n == len(keys))
         if n < len(keys) and self._asks_remote(tiers):
-            probe = self._t.blocking_probe()
-            if probe is None:
+            store = self._t.blocking_probe()
+            if store is None:
                 return None
-            trial = probe.admit()
+            trial = store.admit()
             if trial is not None:  # else backing off: a miss, as the loop would answer
-                return RemoteProbe(probe, trial, keys, ends, segs, n, pin, lookup_id)
+                return RemoteProbe(store, trial, keys, ends, segs, n, pin, lookup_id)
         return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
 
     def finish_probe(self, probe: RemoteProbe) -> int:
@@ -323,8 +370,10 @@ class ManagerCore:
         n: int,
         pin: bool,
         lookup_id: str | None,
+        count: bool = True,
     ) -> int:
-        self._count_lookup(segs, ends, n)
+        if count:
+            self._count_lookup(segs, ends, n)
         if pin and segs and segs[0][0] == TIER_CPU:
             self._pin(self._index.record(lookup_id, ends), keys[: segs[0][2]])
         return tokens(ends, n)

@@ -128,6 +128,26 @@ class StorageManager:
             return step
         return self._run(self._core.lookup(spans, pin, search_range, lookup_id))
 
+    def lookup_local(
+        self,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        pin: bool = False,
+        lookup_id: str | None = None,
+    ) -> int:
+        """See `ManagerCore.lookup_local`."""
+        with self._lock:
+            step = self._core.try_lookup(spans, pin, None, lookup_id, probe=False)
+        if step is not None:
+            return step  # type: ignore[return-value]  # never a RemoteProbe without probe
+        return self._run(self._core.lookup_local(spans, pin, lookup_id))
+
+    def note_remote(
+        self, spans: Sequence[ChunkSpan] | PackedSpans, start: int, found: int, failed: bool
+    ) -> None:
+        """See `ManagerCore.note_remote` (on this Ray thread: it only updates the index)."""
+        with self._lock:
+            self._core.note_remote(spans, start, found, failed)
+
     def get(
         self,
         spans: Sequence[ChunkSpan] | PackedSpans,

@@ -45,7 +45,11 @@ class KVServerState:
         self._pending: set[CacheKey] = set()
         self._store, self._load = store, load
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("hits", "misses", "evictions", "skipped", "errors"), 0)
+        # probes: `contains` calls (a manager's or a client's lookup asking), the load that
+        # config client_remote_probe adds to.
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "evictions", "skipped", "errors", "probes"), 0
+        )
         self.incarnation = uuid.uuid4().hex
 
     def put(
@@ -127,6 +131,7 @@ class KVServerState:
 
     def contains(self, keys: Sequence[CacheKey]) -> list[bool]:
         with self._lock:
+            self._counts["probes"] += 1
             return [key in self._values for key in keys]
 
     def remove(self, keys: Sequence[CacheKey]) -> int:
