@@ -174,34 +174,36 @@ class KVCache:
             copy_buffers(region, self._payloads(kv, spans))
             return
         off = 0
+        whole = isinstance(kv, torch.Tensor)
         for j, (span, meta) in enumerate(zip(spans, metas, strict=True)):
             out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
-            src = kv[:, :, span.start : span.end, :] if isinstance(kv, torch.Tensor) else kv[j]
+            src = kv.narrow(2, span.start, span.end - span.start) if whole else kv[j]
             out.view(meta.shape).copy_(src)
             off += meta.nbytes
 
     def _stage(
         self,
-        spans: list[ChunkSpan],
+        keyed: Any,
         metas: list[PayloadMeta],
         nbytes: int,
         fill: Any,
         priority: int | None,
-        prefix: list[CacheKey] | None,
     ) -> bool:
-        """Hand one store to the background worker; False if the staging ring is full."""
+        """Hand one store to the background worker; False if the staging ring is full.
+        `keyed()` gives the spans and the prefix keys (run on the worker)."""
 
         def send(region: np.ndarray, done: Any) -> None:
             views, off = [], 0
             for meta in metas:
                 views.append(region[off : off + meta.nbytes])
                 off += meta.nbytes
+            spans, prefix = keyed()
             self._put(spans, views, metas, priority, prefix, on_put=done)
 
         if self._stager.stage(nbytes, fill, send):  # type: ignore[union-attr]
             return True
-        logger.debug("raykv staging ring full: store of %d chunks dropped", len(spans))
-        metrics.inc("raykv_skipped_stores", len(spans), tier=TIER_CPU)
+        logger.debug("raykv staging ring full: store of %d chunks dropped", len(metas))
+        metrics.inc("raykv_skipped_stores", len(metas), tier=TIER_CPU)
         return False
 
     def _settle(self, timeout: float | None = None) -> None:
@@ -266,33 +268,46 @@ class KVCache:
         retrieves, stats and flushes first wait for its staged stores.
         """
         tokens = as_token_array(tokens)  # once: the key maker takes it as it is
-        spans = self._keys.keys_of(tokens, mask)
         n_tokens = len(tokens)
         limit = self.config.priority_limit
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise InvalidInputError(f"priority must be an int or None, got {priority!r}")
-        if not spans or (limit is not None and priority is not None and priority > limit):
+        # The chunks to store, without their keys yet: a staged store hashes on its worker.
+        chunks = self._keys.bounds(n_tokens, self._keys.skipped(mask, n_tokens))
+        if not chunks or (limit is not None and priority is not None and priority > limit):
             return 0
-        # The request's chunks before the stored ones (a mask skipped them): the tiers
-        # keep them at least as recent as the new chunks, so eviction stays prefix-closed.
-        every = self._keys.keys_of(tokens) if mask is not None else spans
-        prefix = [s.key for s in every[: len(every) - len(spans)]]
-        self._check_source(kv, spans, n_tokens)
-        metas = [self._meta(span) for span in spans]
+        self._check_source(kv, chunks, n_tokens)
+        metas = [self._meta(span) for span in chunks]
         if self._stager is not None:
             nbytes = sum(m.nbytes for m in metas)
             if nbytes <= self._stager.ring.capacity:
-                fill = lambda region: self._fill(region, kv, spans, metas)  # noqa: E731
-                staged = self._stage(spans, metas, nbytes, fill, priority, prefix)
-                return sum(s.end - s.start for s in spans) if staged else 0
+                fill = lambda region: self._fill(region, kv, chunks, metas)  # noqa: E731
+                owned = tokens.copy()  # the caller may reuse its array once this returns
+                keyed = lambda: self._keyed(owned, chunks)  # noqa: E731
+                staged = self._stage(keyed, metas, nbytes, fill, priority)
+                return sum(s.end - s.start for s in chunks) if staged else 0
             logger.warning(
                 "raykv store of %d bytes exceeds store_staging_size (%d bytes): stored in the "
                 "caller's thread",
                 nbytes,
                 self._stager.ring.capacity,
             )
+        spans, prefix = self._keyed(tokens, chunks)
         held = self._put(spans, self._payloads(kv, spans), metas, priority, prefix)
         return sum(s.end - s.start for s in spans[:held])
+
+    def _keyed(
+        self, tokens: np.ndarray, chunks: list[ChunkSpan]
+    ) -> tuple[list[ChunkSpan], list[CacheKey]]:
+        """`chunks` (the last chunks of `tokens`, from `KeyMaker.bounds`) with their keys,
+        and the keys of the chunks before them (a mask skipped those): the tiers keep
+        those at least as recent as the new chunks, so eviction stays prefix-closed."""
+        every = self._keys.keys_of(tokens)
+        k = len(every) - len(chunks)
+        spans = every[k:]
+        if [s[:2] for s in spans] != [c[:2] for c in chunks]:  # never stored under wrong keys
+            raise RuntimeError(f"chunk bounds {chunks[:2]}... disagree with the keys' {spans[:2]}")
+        return spans, [s.key for s in every[:k]]
 
     def _meta(self, span: ChunkSpan) -> PayloadMeta:
         """The meta of a chunk of this model's KV (one per chunk length, built once: the
@@ -599,7 +614,8 @@ class KVCache:
         nbytes = sum(m.nbytes for m in metas)
         if self._stager is not None and nbytes <= self._stager.ring.capacity:
             fill = lambda region: copy_buffers(region, buffers)  # noqa: E731
-            return len(spans) if self._stage(spans, metas, nbytes, fill, None, prefix) else 0
+            keyed = lambda: (spans, prefix)  # noqa: E731
+            return len(spans) if self._stage(keyed, metas, nbytes, fill, None) else 0
         return self._put(spans, list(buffers), metas, None, prefix)
 
     def _put(

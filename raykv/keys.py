@@ -208,7 +208,7 @@ def as_token_array(tokens: Any) -> np.ndarray:
             f"token ids must lie in [0, {_INT32_MAX}], "
             f"got min={int(arr.min())} max={int(arr.max())}"
         )
-    return np.ascontiguousarray(arr, dtype="<i4")
+    return arr.astype(_LE_INT32)  # a new contiguous array (1-D)
 
 
 def _out_of_range(arr: np.ndarray) -> bool:
@@ -334,6 +334,20 @@ class KeyMaker:
         """One `ChunkSpan` per chunk of `tokens`; chunks masked out (leading False) are left out
         but still feed the hash chain, so the keys of later chunks are unchanged."""
         return self.keys_of(as_token_array(tokens), mask)
+
+    def skipped(self, mask: Any, n_tokens: int) -> int:
+        """Leading tokens a store/retrieve `mask` skips (0 without one); raises
+        `InvalidInputError` for a malformed mask."""
+        return 0 if mask is None else _mask_skip(mask, n_tokens, self.chunk_size)
+
+    def bounds(self, n_tokens: int, skip: int = 0) -> list[ChunkSpan]:
+        """The chunks `keys` makes of `n_tokens` tokens, from token `skip` on, without
+        their keys (`key` is None): what a store needs before the keys, which a staged
+        store leaves to its worker thread."""
+        size = self.chunk_size
+        stop = n_tokens if self.save_unfull_chunk else n_tokens - n_tokens % size
+        first = -(-skip // size) * size
+        return [ChunkSpan(s, min(s + size, n_tokens), None) for s in range(first, stop, size)]  # type: ignore[arg-type]
 
     def keys_of(self, arr: np.ndarray, mask: Any = None) -> list[ChunkSpan]:
         """`keys` of an array `as_token_array` returned (a caller that checked its tokens

@@ -121,6 +121,19 @@ def test_token_ids_past_int32_fail_in_every_wide_dtype(dtype):
     assert top.dtype == np.dtype("<i4") and top.tolist() == [2**31 - 1]
 
 
+@pytest.mark.parametrize("save_unfull", [False, True])
+@pytest.mark.parametrize("size", [1, 3, 16])
+def test_bounds_are_the_chunks_keys_makes_for_every_length_and_skip(size, save_unfull):
+    # A staged store copies by `bounds` and hashes later: the two must never disagree.
+    maker = KeyMaker(chunk_size=size, save_unfull_chunk=save_unfull)
+    for n in range(0, 4 * size + 2):
+        every = [(s.start, s.end) for s in maker.keys(list(range(n)))]
+        for skip in range(0, n + 1, size):
+            want = [(a, b) for a, b in every if a >= skip]
+            got = maker.bounds(n, skip)
+            assert [(c.start, c.end) for c in got] == want and all(c.key is None for c in got)
+
+
 def test_mask_skips_leading_chunks_but_keeps_the_hash_chain():
     toks = list(range(12))
     full = KeyMaker(chunk_size=C).keys(toks)
