@@ -36,15 +36,15 @@ SUMMARY = Summary()
 
 TITLE = "Connector and prefill"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
-UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7), CPU only: no GPU was lent to this task,
+Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
+UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9), CPU only: no GPU was lent to this task,
 so the CUDA path is unmeasured). With 32 layers x 8 KV heads x 128 head_dim, bf16, 2,048
-tokens, the paged layout reached 0.95x `index_select` on `to_payloads` and 0.72x
-`index_copy_` into the same buffers on `from_payloads`; the contiguous layout 0.86x and
-1.32x. On the demo model (8 layers, hidden 512, fp32, CPU) with a 256-token suffix, the
+tokens, the paged layout reached 0.95x `index_select` on `to_payloads` and 0.70x
+`index_copy_` into the same buffers on `from_payloads`; the contiguous layout 0.95x and
+1.28x. On the demo model (8 layers, hidden 512, fp32, CPU) with a 256-token suffix, the
 ideal speedup (full prefill / suffix-only prefill with the prefix KV already in the
-model's cache) was 3.0x at 1k, 9.6x at 4k and 16.6x at 8k (process CPU time; also 16.6x
-by wall time at 8k).
+model's cache) was 3.1x at 1k, 8.2x at 4k and 15.6x at 8k (process CPU time; 15.7x by
+wall time at 8k).
 """
 
 

@@ -59,16 +59,15 @@ _context = [""]  # the section being measured, prefixed to row names in the summ
 
 TITLE = "Storage tiers: disk and Redis"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
-UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7); baselines read and write the same files
-with plain Python I/O on 2 threads, as the disk tier does). Writes reached 1.16x (2 MiB,
-noisy) and 0.88x (32 MiB, noisy) of plain file I/O; reads 1.20x / 1.57x at 2 MiB (page
-cache / after fadvise DONTNEED) and 2.22x / 1.50x at 32 MiB. At 32 MiB from the page
-cache the XXH3 checksum (~16 GB/s) is the added cost. The disk process reuses freed
+Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
+UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9); baselines read and write the same files
+with plain Python I/O on 2 threads, as the disk tier does). Writes reached 1.13x (2 MiB)
+and 1.10x (32 MiB, noisy) of plain file I/O; reads 1.75x / 1.66x at 2 MiB (page cache /
+after fadvise DONTNEED) and 1.73x (noisy: 0.81-12.2 GB/s) / 1.43x at 32 MiB. From the
+page cache the XXH3 checksum is the added cost. The disk process reuses freed
 chunk-sized buffers (`raykv.tiers.memory`), so a cached read no longer faults every page
-in again. Reopening a directory of 100k chunk files took 0.76 s (7.6 us per file). Redis
-put / get of 32 x 2 MiB reached 0.89x / 0.85x (the get noisy) of raw pipelined SET NX /
-MGET.
+in again. Reopening a directory of 100k chunk files took 0.77 s (7.7 us per file). Redis
+put / get of 32 x 2 MiB reached 0.86x / 0.98x of raw pipelined SET NX / MGET.
 """
 
 

@@ -61,34 +61,31 @@ from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
-UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
+UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9)).
 
-Lookups: answered from the manager's index, a lookup cost 0.96x / 1.01x / 1.16x one
-trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met; 1.29x / 1.32x /
-1.52x in the 08:40 UTC run of the same day). The manager is now a threaded actor (an
-async actor's calls with arguments paid an extra thread hop, ~0.15-0.2 ms) and answers
-an index-only lookup on the Ray thread that received it, without its event loop; the
-spans cross as one msgpack bytes argument.
+Lookups: answered from the manager's index, a lookup cost 0.96x / 1.03x / 1.16x one
+trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met). The manager is
+a threaded actor that answers an index-only lookup on the Ray thread that received it;
+the spans cross as one msgpack bytes argument.
 
 When the remote third of the prefix is unknown to the index (another instance wrote
-it), the manager asks the `ray://` server from that same thread, the lock released
-while it waits, and sends the keys as msgpack bytes: 1.98x / 2.09x / 2.32x at 8 / 128 /
-512 chunks, all "noisy" (2.53x / 2.67x / 3.15x in the 08:40 run, ~3.9x / 4.3x / 5.4x
-before the manager asked the server itself). Client -> manager -> KVServer are two
-sequential round trips, each one trivial round trip at best, so 2.0x is the floor of
-this design; at 512 chunks the rest is 171 keys sent and built again on the server.
-Going clearly below it would take the client asking the remote itself (every client
-probing the shared server on every lookup) or the remote pushing its new keys to the
-managers.
+it), the manager, asking the `ray://` server after its own plan, took 2.04x / 2.18x /
+2.94x (client -> manager -> server are two sequential round trips: 2.0x is that way's
+floor). With `client_remote_probe` the client sends the server's `contains` beside the
+manager's `lookup_local` and joins the answers: 1.50x / 1.48x / 1.98x, the whole client
+call timed (packing the spans included), each "noisy" (the round trip's own spread is
+wider than the gap; 1.37x / 1.61x / 1.76x in the 12:52 UTC run). At 512 chunks both
+calls carry all 512 keys and the manager, the server and the client share 2 cores; the
+note that tells the manager what the server held goes from a client thread afterwards
+and is let out between repeats, untimed, so that neither figure carries it.
 
 Why put misses its goal: a store that must own its objects (so data outlives the
 writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
-copied twice (0.38x / 0.44x of one raw batched `ray.put`). Pulling from a producer
-actor (what a GPU worker does) copies once. `manager.put` of 16x32 MiB read 0.17x of
-the raw put here with a spread of 0.61-6.3 GB/s (0.38x against the second baseline;
-0.38-0.44x in the earlier runs). Get into preallocated buffers is 1.15x / 1.02x its
-baseline (actor RTT + raw batched `ray.get` + the same copies).
+copied twice (0.41x / 0.44x of one raw batched `ray.put`). Pulling from a producer
+actor (what a GPU worker does) copies once. `manager.put` read 0.35x / 0.42x of the raw
+put. Get into preallocated buffers is 1.21x ("noisy") / 1.02x its baseline (actor RTT
++ raw batched `ray.get` + the same copies).
 """
 
 MiB = 1 << 20

@@ -67,12 +67,12 @@ WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
 
 TITLE = "TTFT with the demo model"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 10:46
-UTC, commit d3cd3e6, 2 cores, load 1.7 -> 2.7)). From a cached 4k / 8k-token prompt the
-warm TTFT reached 0.93 / 0.96 of the ideal (the prefix already in the model's cache)
-from CPU, 0.81 / 0.86 from disk and 0.79 / 0.77 from Redis. raykv's own load took 12 /
-17 ms (CPU), 44 / 51 ms (disk, page cache) and 54 / 99 ms (Redis) against a suffix
-prefill of 0.24 / 0.38 s, which is why every cell met its goal: on this CPU the prefill
+Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
+UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9)). From a cached 4k / 8k-token prompt the
+warm TTFT reached 0.94 / 1.00 of the ideal (the prefix already in the model's cache)
+from CPU, 0.86 / 0.88 from disk and 0.81 / 0.78 from Redis. raykv's own load took 10 /
+14 ms (CPU), 36 / 49 ms (disk, page cache) and 50 / 103 ms (Redis) against a suffix
+prefill of 0.23 / 0.35 s, which is why every cell met its goal: on this CPU the prefill
 dominates. On a GPU the load is most of a warm TTFT (see `bench_datapath`).
 
 Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm
