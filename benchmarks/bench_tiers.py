@@ -386,7 +386,7 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
                 lambda _i: client_probed(),
                 lambda _i: rtt(),
                 probe_reps,
-                between=lambda: probing._notes.drain(10),
+                between=lambda: probing._probe.notes.drain(10),
             )
             name = f"lookup {n} chunks, remote third probed by the client"
             report(rows, f"{name} p50", "ms", "async actor RTT p50", t, t_ping, goal="goal <= 2.0")

@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
-from raykv.probe import Notes, ServerProbe, leading_true
+from raykv.probe import ServerProbe, leading_true
 from raykv.readcache import ReadCache
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
@@ -99,7 +99,6 @@ class KVCache:
         url = config.remote_url or ""
         probe = config.client_remote_probe and url.startswith("ray://")
         self._probe = ServerProbe(url[len("ray://") :], config.namespace) if probe else None
-        self._notes = Notes(f"raykv-notes-{config.namespace}") if probe else None
 
     # ----- keys and validation -----
 
@@ -183,7 +182,7 @@ class KVCache:
 
     def _stage(
         self,
-        keyed: Any,
+        keyed: Callable[[], tuple[list[ChunkSpan], list[CacheKey] | None]],
         metas: list[PayloadMeta],
         nbytes: int,
         fill: Any,
@@ -359,7 +358,8 @@ class KVCache:
         found = probe.answer(ref, len(spans), left)  # type: ignore[union-attr]
         more = leading_true(found, start) if found is not None else 0
         # The manager indexes the server's chunks and counts the lookup; nobody waits.
-        self._notes.post(self._manager.note_remote, packed, start, more, found is None)  # type: ignore[union-attr]
+        note = self._manager.note_remote
+        probe.notes.submit(lambda: note.remote(packed, start, more, found is None))  # type: ignore[union-attr]
         return spans[start + more - 1].end if more else hit
 
     @staticmethod
@@ -474,9 +474,13 @@ class KVCache:
         self, tokens: Any, mask: Any, lookup_id: str | None
     ) -> tuple[list[tuple[ChunkSpan, torch.Tensor]], list[str]]:
         """The cached prefix of `tokens` as `KV_2LTD` tensors, and the tier each came from."""
-        if lookup_id is None and mask is not None:  # the pin may be on a masked-out chunk
-            lookup_id = self._pin_for(self._keys.keys_of(tokens))
-        chunks, tiers = self.get_chunks(self._keys.keys_of(tokens, mask), lookup_id)
+        spans = self._keys.keys_of(tokens)
+        if mask is not None:
+            if lookup_id is None:  # the pin may be on a masked-out chunk
+                lookup_id = self._pin_for(spans)
+            skip = self._keys.skipped(mask, len(tokens))
+            spans = [s for s in spans if s.start >= skip]
+        chunks, tiers = self.get_chunks(spans, lookup_id)
         out = self._materialise(chunks)
         return out, tiers[: len(out)]
 
@@ -755,7 +759,7 @@ class KVCache:
         t0 = time.monotonic()
         if self._stager is not None and not self._stager.drain(timeout):
             return False
-        if self._notes is not None and not self._notes.drain(timeout):
+        if self._probe is not None and not self._probe.notes.drain(timeout):
             return False
         left = max(0.0, timeout - (time.monotonic() - t0))
         return bool(self._call("flush", left, timeout=left + 5.0, default=False))
@@ -775,9 +779,8 @@ class KVCache:
             self._stager.close(self._lookup_timeout * 4)
         if self._reads is not None:
             self._reads.clear()
-        if self._notes is not None:
-            self._notes.drain(self._lookup_timeout)
-            self._notes.close()
+        if self._probe is not None:
+            self._probe.notes.close(self._lookup_timeout)
         for lookup_id in list(self._pins):
             self.unpin(lookup_id)
         self._pins.clear()

@@ -15,12 +15,12 @@ the server, with its own back-off, until the next try.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from typing import Any
 
 import ray
+
+from raykv.staging import SerialWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ class ServerProbe:
         self._retry_at = 0.0
         self.sent = 0
         self.failed = 0
+        # What the client tells the manager after a probe (`note_remote`), sent from a
+        # thread of its own: submitting a call costs ~0.05-0.15 ms of Python (argument
+        # serialization), which a lookup should not wait for.
+        self.notes = SerialWorker(f"raykv-notes-{namespace}")
 
     def send(self, keys_wire: bytes) -> ray.ObjectRef | None:
         """Ask the server which keys it holds (a `PackedSpans` or `PackedKeys` `wire()`):
@@ -91,52 +95,6 @@ class ServerProbe:
         return {"remote_probes_sent": self.sent, "remote_probes_failed": self.failed}
 
 
-class Notes:
-    """Fire-and-forget actor calls sent from a daemon thread, in order: submitting a call
-    costs the caller ~0.05-0.15 ms of Python (argument serialization), which a lookup
-    should not wait for. `post(method, *args)` calls `method.remote(*args)` there."""
-
-    def __init__(self, name: str = "raykv-notes") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, tuple] | None] = queue.SimpleQueue()
-        self._name = name
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._idle = threading.Condition()
-
-    def post(self, method: Any, *args: Any) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            with self._lock:
-                if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                    self._thread.start()
-        with self._idle:
-            self._pending += 1
-        self._jobs.put((method, args))
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            method, args = job
-            try:
-                method.remote(*args)
-            except Exception as exc:  # the actor is going away: its next call reports it
-                logger.debug("raykv: a note was not sent (%s)", exc)
-            with self._idle:
-                self._pending -= 1
-                if not self._pending:
-                    self._idle.notify_all()
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every note posted so far is sent; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._pending, timeout)
-
-    def close(self) -> None:
-        """Stop the thread once the notes posted so far are sent."""
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.put(None)
-
-
 def leading_true(found: list[bool], start: int) -> int:
     """How many entries of `found` from `start` on are True before the first False."""
     n = 0
@@ -147,4 +105,4 @@ def leading_true(found: list[bool], start: int) -> int:
     return n
 
 
-__all__ = ["Notes", "ServerProbe", "leading_true"]
+__all__ = ["ServerProbe", "leading_true"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,8 +96,57 @@ def _send_nothing(_region: np.ndarray, done: Callable[[], None]) -> None:
     done()
 
 
+class SerialWorker:
+    """One daemon thread that runs submitted jobs in order, started on first use (and
+    again after a fork lost it). A job's exception is logged and the next job runs;
+    `drain` waits until every job submitted so far has run."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        with self._idle:
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # the job's own failure handling let it through
+                logger.debug("raykv %s: a job failed (%s)", self._name, exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job submitted so far has run; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Run what is queued (up to `timeout`), then stop the thread."""
+        ok = self.drain(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+        return ok
+
+
 class Stager:
-    """One worker thread that runs staged stores in order, with a bounded ring of bytes.
+    """A `SerialWorker` that runs staged stores in order, with a bounded ring of bytes.
 
     `stage(nbytes, fill, send)`: takes a region, calls `fill(region)` in the caller's
     thread (the one copy), then the worker calls `send(region)` (the `ray.put` and the
@@ -107,21 +155,10 @@ class Stager:
 
     def __init__(self, capacity: int, name: str = "raykv-stager") -> None:
         self.ring = StagingRing(capacity)
-        self._jobs: queue.SimpleQueue[tuple[int, np.ndarray, Callable[..., Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._pending = 0
-        self._idle = threading.Condition()
-        self._name = name
-        self._thread: threading.Thread | None = None
+        self._worker = SerialWorker(name)
         self.staged = 0
         self.dropped = 0
         self.failed = 0
-
-    def _ensure_worker(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
 
     def stage(
         self,
@@ -151,58 +188,36 @@ class Stager:
         return True
 
     def _queue(self, token: int, region: np.ndarray, send: Callable[..., Any]) -> None:
-        with self._idle:
-            self._pending += 1
-        self._ensure_worker()
-        self._jobs.put((token, region, send))
+        self._worker.submit(lambda: self._send(token, region, send))
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            token, region, send = job
-            released = False
+    def _send(self, token: int, region: np.ndarray, send: Callable[..., Any]) -> None:
+        released = False
 
-            def done(token: int = token) -> None:
-                nonlocal released
-                if not released:
-                    released = True
-                    self.ring.give_back(token)
+        def done() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.ring.give_back(token)
 
-            try:
-                send(region, done)
-            except Exception:
-                self.failed += 1
-                logger.exception("raykv background store failed; those chunks are not cached")
-            finally:
-                done()
-                with self._idle:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
+        try:
+            send(region, done)
+        except Exception:
+            self.failed += 1
+            logger.exception("raykv background store failed; those chunks are not cached")
+        finally:
+            done()
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return self._worker.pending
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every staged store has been sent; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._worker.drain(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Send what is staged (up to `timeout`), then stop the worker."""
-        ok = self.drain(timeout)
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.put(None)
-        return ok
+        return self._worker.close(timeout)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -211,8 +226,8 @@ class Stager:
             "staged_stores": self.staged,
             "dropped_stores": self.dropped,
             "failed_stores": self.failed,
-            "pending_stores": self._pending,
+            "pending_stores": self._worker.pending,
         }
 
 
-__all__ = ["Stager", "StagingRing", "copy_buffers"]
+__all__ = ["SerialWorker", "Stager", "StagingRing", "copy_buffers"]

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from raykv.staging import ALIGN, Stager, StagingRing, copy_buffers
+from raykv.staging import ALIGN, SerialWorker, Stager, StagingRing, copy_buffers
 
 
 def test_regions_never_overlap_and_come_back_in_order_across_wraps() -> None:
@@ -106,3 +106,36 @@ def test_a_failing_send_is_counted_and_a_failing_fill_raises_to_the_caller() -> 
     # The ring is whole again: a store of its full size fits.
     assert stager.stage(4 * ALIGN, lambda r: None, lambda r, done: done())
     assert stager.close(5)
+
+
+class Job:
+    """Records the thread it ran on and its argument (or raises)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple] = []
+        self.threads: set[str] = set()
+        self.fail = fail
+
+    def __call__(self, *args: object) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("actor gone")
+        self.calls.append(args)
+
+
+def test_a_serial_worker_runs_jobs_in_order_on_its_own_thread_and_drain_waits_for_them():
+    worker, job = SerialWorker("test-notes"), Job()
+    for i in range(50):
+        worker.submit(lambda i=i: job(i, "x"))
+    assert worker.drain(5)
+    assert job.calls == [(i, "x") for i in range(50)]
+    assert job.threads == {"test-notes"}
+    assert worker.close(5)
+
+
+def test_a_failing_job_is_dropped_and_the_next_ones_still_run():
+    worker, bad, good = SerialWorker("test-worker"), Job(fail=True), Job()
+    worker.submit(lambda: bad(1))
+    worker.submit(lambda: good(2))
+    assert worker.drain(5) and good.calls == [(2,)]
+    assert worker.close(5)
