@@ -37,7 +37,7 @@ from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
 from raykv.probe import ServerProbe, leading_true
-from raykv.readcache import ReadCache
+from raykv.readcache import ReadCache, object_id
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
 
@@ -49,6 +49,7 @@ _CONNECT_TIMEOUT_SECS = 120.0
 _PUT_SLACK_SECS = 30.0
 # Pinned lookups a client may leave open before the oldest is unpinned (leases end them too).
 _MAX_OPEN_PINS = 4096
+_RING_VIEWS = 256  # cached torch views of the staging ring (offsets come round)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class KVCache:
         self._dtype = getattr(torch, config.kv_dtype)
         self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
         self._metas: dict[int, PayloadMeta] = {}  # chunk length -> meta, under that geometry
+        # (ring offset, chunk tokens) -> a torch view of the staging ring there
+        self._ring_views: dict[tuple[int, int], torch.Tensor] = {}
         # Pinned lookups this client named itself (a caller-named one is the caller's to
         # retrieve or unpin), oldest first: lookup id -> key of its last pinned chunk.
         self._pins: OrderedDict[str, CacheKey] = OrderedDict()
@@ -123,20 +126,22 @@ class KVCache:
             )
 
     def _check_kv_tensor(self, kv: torch.Tensor, n_tokens: int, what: str) -> None:
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[0] != 2:
-            shape = list(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        shape = kv.shape if isinstance(kv, torch.Tensor) else None  # read once: cold reads cost
+        if shape is None or len(shape) != 4 or shape[0] != 2:
+            got = type(kv).__name__ if shape is None else list(shape)
             raise InvalidInputError(
-                f"{what} must be a KV_2LTD tensor [2, num_layers, num_tokens, hidden], got {shape}"
+                f"{what} must be a KV_2LTD tensor [2, num_layers, num_tokens, hidden], got {got}"
             )
         if kv.dtype != self._dtype:
             raise InvalidInputError(
                 f"{what} has dtype {kv.dtype}, expected {self._dtype} (config kv_dtype)"
             )
-        if kv.shape[2] < n_tokens:
+        if shape[2] < n_tokens:
             raise InvalidInputError(
-                f"{what} covers {kv.shape[2]} tokens, expected at least {n_tokens}"
+                f"{what} covers {shape[2]} tokens, expected at least {n_tokens}"
             )
-        self._check_geometry(kv.shape[1], kv.shape[3], what)
+        if self._geometry != (shape[1], shape[3]):
+            self._check_geometry(shape[1], shape[3], what)
 
     def _check_source(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> None:
         """Check a store's KV against the prompt and this cache's layout (before any copy)."""
@@ -166,18 +171,36 @@ class KVCache:
                 )
 
     def _fill(
-        self, region: np.ndarray, kv: KVSource, spans: list[ChunkSpan], metas: list[PayloadMeta]
+        self,
+        region: np.ndarray,
+        at: int,
+        kv: KVSource,
+        spans: list[ChunkSpan],
+        metas: list[PayloadMeta],
     ) -> None:
-        """Copy the chunks of `kv` (checked) into `region`, back to back in span order."""
+        """Copy the chunks of `kv` (checked) into `region` (at offset `at` of the staging
+        ring), back to back in span order."""
         if isinstance(kv, KVTarget):  # the connector gathers into new buffers: copy those
             copy_buffers(region, self._payloads(kv, spans))
             return
         off = 0
         whole = isinstance(kv, torch.Tensor)
+        views = self._ring_views
         for j, (span, meta) in enumerate(zip(spans, metas, strict=True)):
-            out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
-            src = kv.narrow(2, span.start, span.end - span.start) if whole else kv[j]
-            out.view(meta.shape).copy_(src)
+            n = span.end - span.start
+            out = views.get((at + off, n))
+            if out is None:  # torch views cost ~0.1 ms on cold caches: one per place
+                if len(views) >= _RING_VIEWS:
+                    views.clear()
+                out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
+                out = views[(at + off, n)] = out.view(meta.shape)
+            if not whole:
+                src = kv[j]
+            elif span.start == 0 and n == kv.shape[2]:
+                src = kv
+            else:
+                src = kv.narrow(2, span.start, n)
+            out.copy_(src)
             off += meta.nbytes
 
     def _stage(
@@ -266,7 +289,7 @@ class KVCache:
         clients see the chunks once the CPU tier has them; this client's own lookups,
         retrieves, stats and flushes first wait for its staged stores.
         """
-        tokens = as_token_array(tokens)  # once: the key maker takes it as it is
+        given, tokens = tokens, as_token_array(tokens)  # once: the key maker takes it as is
         n_tokens = len(tokens)
         limit = self.config.priority_limit
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
@@ -280,8 +303,9 @@ class KVCache:
         if self._stager is not None:
             nbytes = sum(m.nbytes for m in metas)
             if nbytes <= self._stager.ring.capacity:
-                fill = lambda region: self._fill(region, kv, chunks, metas)  # noqa: E731
-                owned = tokens.copy()  # the caller may reuse its array once this returns
+                fill = lambda region, at: self._fill(region, at, kv, chunks, metas)  # noqa: E731
+                # The caller may reuse its array once this returns (a converted one is new).
+                owned = tokens.copy() if tokens is given else tokens
                 keyed = lambda: self._keyed(owned, chunks)  # noqa: E731
                 staged = self._stage(keyed, metas, nbytes, fill, priority)
                 return sum(s.end - s.start for s in chunks) if staged else 0
@@ -480,8 +504,8 @@ class KVCache:
                 lookup_id = self._pin_for(spans)
             skip = self._keys.skipped(mask, len(tokens))
             spans = [s for s in spans if s.start >= skip]
-        chunks, tiers = self.get_chunks(spans, lookup_id)
-        out = self._materialise(chunks)
+        chunks, tiers, places = self._get_chunks(spans, lookup_id)
+        out = self._materialise(chunks, places)
         return out, tiers[: len(out)]
 
     def get_chunks(
@@ -495,10 +519,18 @@ class KVCache:
         layout it was stored (`put_chunks`). Releases the pins of `lookup_id` (or of
         this client's own pinned lookup of the same prefix). A fault is a shorter prefix.
         """
+        chunks, tiers, _ = self._get_chunks(spans, lookup_id)
+        return chunks, tiers
+
+    def _get_chunks(
+        self, spans: list[ChunkSpan], lookup_id: str | None
+    ) -> tuple[list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], list[str], list[Any] | None]:
+        """`get_chunks`, and where each payload lies in the read cache (object id, index
+        in its batch), None without one."""
         if not spans:
             if lookup_id is not None:
                 self.unpin(lookup_id, wait=False)
-            return [], []
+            return [], [], None
         self._settle()
         if lookup_id is None:
             lookup_id = self._pin_for(spans)
@@ -524,7 +556,7 @@ class KVCache:
             reply = self._call(method, *args, timeout=self._lookup_timeout * 4, default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
-                return [], []
+                return [], [], None
             lookup_id = None  # that get released the pins
             refs = list({c.ref: None for c in result.chunks})
             if ids:
@@ -546,11 +578,13 @@ class KVCache:
                     continue
             values = dict(zip(refs, got, strict=True))
             pairs = list(zip(spans, result.chunks, strict=False))
+            places = None
             if reads is not None:
                 reads.note(keys[: len(pairs)], [c.ref for _, c in pairs])
+                places = [(object_id(c.ref), c.index) for _, c in pairs]
             chunks = [(span, values[c.ref][c.index], c.meta) for span, c in pairs]
-            return chunks, list(result.tiers)
-        return [], []
+            return chunks, list(result.tiers), places
+        return [], [], None
 
     def _read(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """The values of the batch objects `refs` (from the read cache where held)."""
@@ -560,9 +594,11 @@ class KVCache:
         return self._reads.read(refs, lambda missing: ray.get(missing, timeout=timeout))
 
     def _materialise(
-        self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]]
+        self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], places: list[Any] | None
     ) -> list[tuple[ChunkSpan, torch.Tensor]]:
-        """Zero-copy tensors of the leading chunks that hold this model's KV."""
+        """Zero-copy tensors of the leading chunks that hold this model's KV (of a chunk
+        in a batch the read cache holds, the tensor made the first time it was read:
+        making one costs ~0.1 ms on cold caches)."""
         good = 0
         for span, buf, meta in chunks:
             want = self._meta(span)
@@ -581,8 +617,14 @@ class KVCache:
                 break
             good += 1
         kept = chunks[:good]
-        tensors = buffers_to_tensors([buf for _, buf, _ in kept], [m for _, _, m in kept])
-        return [(span, t) for (span, _, _), t in zip(kept, tensors, strict=True)]
+        if places is None or self._reads is None:
+            tensors = buffers_to_tensors([buf for _, buf, _ in kept], [m for _, _, m in kept])
+            return [(span, t) for (span, _, _), t in zip(kept, tensors, strict=True)]
+        memo = self._reads.memo
+        return [
+            (span, memo(oid, (index, meta), lambda b=buf, m=meta: buffers_to_tensors([b], [m])[0]))
+            for (span, buf, meta), (oid, index) in zip(kept, places, strict=False)
+        ]
 
     def put_chunks(
         self,
@@ -617,7 +659,7 @@ class KVCache:
             return 0
         nbytes = sum(m.nbytes for m in metas)
         if self._stager is not None and nbytes <= self._stager.ring.capacity:
-            fill = lambda region: copy_buffers(region, buffers)  # noqa: E731
+            fill = lambda region, _at: copy_buffers(region, buffers)  # noqa: E731
             keyed = lambda: (spans, prefix)  # noqa: E731
             return len(spans) if self._stage(keyed, metas, nbytes, fill, None) else 0
         return self._put(spans, list(buffers), metas, None, prefix)
@@ -689,8 +731,11 @@ class KVCache:
                 destination.slot_mapping,
             )
             return
+        whole = destination.shape[2]
         for span, tensor in chunks:
-            destination[:, :, span.start : span.end, :].copy_(tensor)
+            n = span.end - span.start
+            part = destination if n == whole else destination.narrow(2, span.start, n)
+            part.copy_(tensor)
 
     # ----- layer by layer -----
 

@@ -15,6 +15,9 @@ the manager to name the objects by id instead of returning their refs: a returne
 costs the caller another ~0.1-0.3 ms to register with its owner. If the manager names an
 object the cache no longer holds, the client asks again for refs.
 
+What a chunk's bytes become (its zero-copy torch tensor, ~0.1 ms to build on cold
+caches) is kept with the object too (`memo`), and goes when it goes.
+
 What it costs: an object the cache holds stays in the object store after the CPU tier
 evicted it, until the cache drops it, so up to `read_cache_size` per client counts
 outside `max_local_cpu_size`. It never serves a chunk the manager did not just name:
@@ -43,6 +46,9 @@ def object_id(ref: Any) -> Any:
     return binary() if binary is not None else ref
 
 
+_MEMOS = 1024  # `memo` results kept per object at most (one per chunk of its batch, in use)
+
+
 class ReadCache:
     """Values of objects read lately, by object id, least recently used first out, at
     most `capacity_bytes` in all (an object larger than that is not kept), and which
@@ -51,8 +57,8 @@ class ReadCache:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = int(capacity_bytes)
-        # object id -> (value, bytes, keys read from it)
-        self._values: OrderedDict[Any, tuple[Any, int, list[Any]]] = OrderedDict()
+        # object id -> (value, bytes, keys read from it, what `memo` made of it)
+        self._values: OrderedDict[Any, tuple[Any, int, list[Any], dict[Any, Any]]] = OrderedDict()
         self._where: dict[Any, Any] = {}  # chunk key -> object id it was last read from
         self.used_bytes = 0
         self.hits = 0
@@ -111,14 +117,31 @@ class ReadCache:
                     self._where[key] = oid
                     held[2].append(key)
 
+    def memo(self, oid: Any, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, kept with object `oid` while the cache holds it and returned again
+        for the same `key` (a view of its value that costs to build: built once). Not
+        kept for an object the cache does not hold."""
+        with self._lock:
+            held = self._values.get(oid)
+            made = None if held is None else held[3].get(key)
+        if made is None:
+            made = make()
+            if held is not None:
+                with self._lock:
+                    memos = held[3]
+                    if len(memos) >= _MEMOS:
+                        memos.clear()
+                    memos[key] = made
+        return made
+
     def _keep(self, oid: Any, value: Any) -> None:
         size = value_nbytes(value)
         if size > self.capacity_bytes or oid in self._values:
             return
-        self._values[oid] = (value, size, [])
+        self._values[oid] = (value, size, [], {})
         self.used_bytes += size
         while self.used_bytes > self.capacity_bytes:
-            dropped, (_, nbytes, keys) = self._values.popitem(last=False)
+            dropped, (_, nbytes, keys, _) = self._values.popitem(last=False)
             self.used_bytes -= nbytes
             for key in keys:
                 if self._where.get(key) == dropped:

@@ -148,9 +148,11 @@ class SerialWorker:
 class Stager:
     """A `SerialWorker` that runs staged stores in order, with a bounded ring of bytes.
 
-    `stage(nbytes, fill, send)`: takes a region, calls `fill(region)` in the caller's
-    thread (the one copy), then the worker calls `send(region)` (the `ray.put` and the
-    manager call), and gives the region back once `send` says the bytes are out of it.
+    `stage(nbytes, fill, send)`: takes a region, calls `fill(region, offset)` in the
+    caller's thread (the one copy; `offset` is where the region starts in the ring, the
+    same memory each time it comes round), then the worker calls `send(region)` (the
+    `ray.put` and the manager call), and gives the region back once `send` says the
+    bytes are out of it.
     """
 
     def __init__(self, capacity: int, name: str = "raykv-stager") -> None:
@@ -163,7 +165,7 @@ class Stager:
     def stage(
         self,
         nbytes: int,
-        fill: Callable[[np.ndarray], None],
+        fill: Callable[[np.ndarray, int], None],
         send: Callable[[np.ndarray, Callable[[], None]], None],
     ) -> bool:
         """Stage one store; False (and counted) if the ring is full right now.
@@ -179,7 +181,7 @@ class Stager:
             return False
         token, region = got
         try:
-            fill(region)
+            fill(region, token)
         except BaseException:
             self._queue(token, region, _send_nothing)  # regions go back in order
             raise

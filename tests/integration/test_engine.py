@@ -293,6 +293,30 @@ def test_a_staged_store_returns_before_the_put_and_its_own_lookups_see_it(settin
         assert client["staging_used_bytes"] == 0  # the ring is free once the put is done
 
 
+def test_staged_stores_keep_their_bytes_wherever_the_ring_puts_them(settings):
+    # The ring's regions start at many offsets (the ring wraps, some stores wait in it),
+    # the same offset comes round with another prompt or another chunk length (a trailing
+    # partial chunk): the caller's copy goes through a torch view cached per (offset,
+    # length), which must never write one store's bytes where another's are read.
+    chunk_bytes = 2 * L * C * HIDDEN * 2
+    ring = 5 * chunk_bytes + chunk_bytes // 2
+    fields = dict(settings, save_unfull_chunk=True)
+    with raykv.connect(**fields, store_staging_size=ring / (1 << 30)) as kv:
+        rng = np.random.default_rng(7)
+        accepted = []
+        for i in range(40):
+            n = int(rng.integers(1, 3 * C + 1))  # 1-3 chunks, often a partial one
+            tokens = prompt(960 + i, n)
+            if kv.store(tokens, kv_for(tokens)) == n:
+                accepted.append(tokens)
+            if i % 3 == 2:
+                kv.flush(30)  # sometimes the ring empties and starts at 0 again
+        assert len(accepted) >= 20
+        for tokens in accepted:
+            dest = torch.zeros(2, L, len(tokens), HIDDEN, dtype=torch.float16)
+            assert kv.retrieve(tokens, dest).all() and torch.equal(dest, kv_for(tokens))
+
+
 def test_a_staged_store_that_finds_the_ring_full_is_dropped_and_counted(settings):
     chunk_bytes = 2 * L * C * HIDDEN * 2
     # A ring of one chunk: the second store of a burst finds it still in use.

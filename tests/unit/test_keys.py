@@ -105,20 +105,43 @@ def test_bad_tokens_raise_invalid_input(bad):
         KeyMaker(chunk_size=C).keys(bad)
 
 
+def _ids(n: int, last: int, dtype: str, step: int = 1) -> np.ndarray:
+    """`n` ids of `dtype` (every `step`-th of a longer array when step > 1), the last one
+    `last`: a check that stops early or skips the strided-over ids misses it."""
+    arr = np.arange(n * step, dtype=dtype) % 100
+    arr[(n - 1) * step] = last
+    return arr[::step]
+
+
+# Short prompts are checked by Python over the raw bytes, long or strided ones by numpy.
+LENGTHS = [pytest.param(3, 1, id="short"), pytest.param(5000, 1, id="long")]
+LENGTHS += [pytest.param(7, 3, id="strided")]
+
+
+@pytest.mark.parametrize(("n", "step"), LENGTHS)
 @pytest.mark.parametrize("dtype", ["i1", "<i2", ">i2", "<i4", ">i4", "<i8", ">i8"])
-def test_token_range_check_holds_for_every_signed_width_and_byte_order(dtype):
+def test_token_range_check_holds_for_every_signed_width_and_byte_order(dtype, n, step):
     # The check reads signed ids as unsigned in one pass: a negative id must still fail.
     with pytest.raises(InvalidInputError, match="must lie in"):
-        as_token_array(np.array([3, -1, 2], dtype=dtype))
-    assert as_token_array(np.array([3, 0, 2], dtype=dtype)).tolist() == [3, 0, 2]
+        as_token_array(_ids(n, -1, dtype, step))
+    ok = _ids(n, 0, dtype, step)
+    assert as_token_array(ok).tolist() == ok.tolist()
 
 
-@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<u8", ">u4", "<u4"])
-def test_token_ids_past_int32_fail_in_every_wide_dtype(dtype):
+@pytest.mark.parametrize(("n", "step"), LENGTHS)
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<u8", ">u8", ">u4", "<u4"])
+def test_token_ids_past_int32_fail_in_every_wide_dtype(dtype, n, step):
     with pytest.raises(InvalidInputError, match="must lie in"):
-        as_token_array(np.array([1, 2**31], dtype=dtype))
-    top = as_token_array(np.array([2**31 - 1], dtype=dtype))
-    assert top.dtype == np.dtype("<i4") and top.tolist() == [2**31 - 1]
+        as_token_array(_ids(n, 2**31, dtype, step))
+    top = as_token_array(_ids(n, 2**31 - 1, dtype, step))
+    assert top.dtype == np.dtype("<i4") and top[-1] == 2**31 - 1
+
+
+@pytest.mark.parametrize("dtype", ["u1", "<u2", ">u2"])
+def test_narrow_unsigned_token_ids_always_fit(dtype):
+    top = np.iinfo(dtype).max
+    for n, step in [(3, 1), (5000, 1), (7, 3)]:
+        assert as_token_array(_ids(n, top, dtype, step))[-1] == top
 
 
 @pytest.mark.parametrize("save_unfull", [False, True])

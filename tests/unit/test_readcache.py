@@ -108,3 +108,24 @@ def test_dropping_an_object_forgets_the_keys_read_from_it():
     assert cache.covers(["k3"])
     cache.clear()
     assert not cache.covers(["k3"])
+
+
+def test_memo_is_made_once_per_key_while_the_object_is_held_and_goes_with_it():
+    cache, fetch = ReadCache(250), Fetcher()
+    cache.read(["a", "b"], fetch)
+    made: list[str] = []
+
+    def make(tag: str):
+        return lambda: made.append(tag) or [tag]
+
+    first = cache.memo("a", (0, "meta"), make("a0"))
+    assert cache.memo("a", (0, "meta"), make("again")) is first  # kept: made once
+    assert cache.memo("a", (0, "other"), make("a0'")) == ["a0'"]  # another key, made
+    assert cache.memo("z", 0, make("z")) == ["z"] and cache.memo("z", 0, make("z2")) == ["z2"]
+    assert made == ["a0", "a0'", "z", "z2"]  # an object not held keeps nothing
+    cache.read(["c"], fetch)  # 300 bytes > 250: a (least recent) goes, with its memos
+    assert len(cache) == 2 and cache.memo("a", (0, "meta"), make("new")) == ["new"]
+    cache.read(["a"], fetch)  # held again: made anew, not the old one
+    assert cache.memo("a", (0, "meta"), make("fresh")) == ["fresh"]
+    cache.clear()
+    assert cache.memo("a", (0, "meta"), make("cleared")) == ["cleared"]

@@ -68,21 +68,21 @@ def test_the_stager_sends_in_order_frees_after_the_put_and_drops_when_full() -> 
 
     payloads = [np.full(2 * ALIGN, i, np.uint8) for i in range(3)]
     for p in payloads[:2]:
-        assert stager.stage(p.nbytes, lambda r, p=p: copy_buffers(r, [p]), send)
+        assert stager.stage(p.nbytes, lambda r, _at, p=p: copy_buffers(r, [p]), send)
     for _ in range(500):  # the first store's put is done while its manager call is out
         if sent:
             break
         threading.Event().wait(0.01)
     p = payloads[2]
-    assert stager.stage(p.nbytes, lambda r: copy_buffers(r, [p]), send)
+    assert stager.stage(p.nbytes, lambda r, _at: copy_buffers(r, [p]), send)
     assert stager.pending >= 1
     gate.set()
     assert stager.drain(5)
     assert sent == [p.tobytes() for p in payloads]
     # A store that finds the ring full is dropped and counted; the caller does not wait.
     block = threading.Event()
-    stager.stage(4 * ALIGN, lambda r: None, lambda r, done: block.wait(5))
-    assert not stager.stage(ALIGN, lambda r: None, send)
+    stager.stage(4 * ALIGN, lambda r, _at: None, lambda r, done: block.wait(5))
+    assert not stager.stage(ALIGN, lambda r, _at: None, send)
     assert stager.stats()["dropped_stores"] == 1
     block.set()
     assert stager.close(5)
@@ -94,17 +94,17 @@ def test_a_failing_send_is_counted_and_a_failing_fill_raises_to_the_caller() -> 
     def boom(region: np.ndarray, done) -> None:  # noqa: ANN001
         raise ConnectionError("object store gone")
 
-    assert stager.stage(ALIGN, lambda r: None, boom)
+    assert stager.stage(ALIGN, lambda r, _at: None, boom)
     assert stager.drain(5) and stager.failed == 1
 
-    def bad_fill(region: np.ndarray) -> None:
+    def bad_fill(region: np.ndarray, _at: int) -> None:
         raise ValueError("bad input")
 
     with pytest.raises(ValueError, match="bad input"):
         stager.stage(ALIGN, bad_fill, boom)
     assert stager.drain(5) and stager.ring.used == 0 and stager.failed == 1
     # The ring is whole again: a store of its full size fits.
-    assert stager.stage(4 * ALIGN, lambda r: None, lambda r, done: done())
+    assert stager.stage(4 * ALIGN, lambda r, _at: None, lambda r, done: done())
     assert stager.close(5)
 
 
