@@ -245,13 +245,30 @@ class KVCache:
     # ----- manager calls: a fault is a miss -----
 
     def _call(self, method: str, *args: Any, timeout: float | None, default: Any) -> Any:
+        """One manager call: its reply, or `default` for a fault (logged); bad input raises."""
+        return self._reply(method, self._send(method, *args), timeout, default)
+
+    def _send(self, method: str, *args: Any) -> ray.ObjectRef | None:
+        """Submit a manager call; None (logged) if it cannot be sent: a miss."""
         if self._closed:
             raise InvalidInputError("this KVCache is closed")
         if not ray.is_initialized():  # Ray shut down under us: never start a new one here
             logger.warning("raykv %s: Ray is not initialized; treated as a miss", method)
+            return None
+        try:
+            return getattr(self._manager, method).remote(*args)
+        except RayError as exc:
+            logger.warning("raykv %s failed (%s): treated as a miss", method, type(exc).__name__)
+            return None
+
+    def _reply(
+        self, method: str, ref: ray.ObjectRef | None, timeout: float | None, default: Any
+    ) -> Any:
+        """The reply to a `_send`, as `_call` gives it."""
+        if ref is None:
             return default
         try:
-            return ray.get(getattr(self._manager, method).remote(*args), timeout=timeout)
+            return ray.get(ref, timeout=timeout)
         except GetTimeoutError:
             logger.warning("raykv %s timed out after %.1fs: treated as a miss", method, timeout)
         except RayTaskError as exc:
@@ -368,18 +385,21 @@ class KVCache:
         t0 = time.monotonic()
         packed = self._packed(spans)
         probe = self._probe
-        ref = probe.send(packed) if probe is not None and isinstance(packed, bytes) else None
         # Only the arguments that differ from the defaults: Ray serializes each one.
-        if ref is None:
+        if probe is None or not isinstance(packed, bytes) or not probe.ready():
             args = (packed, True, None, lookup_id) if pin else (packed,)
             return int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
         args = (packed, True, lookup_id) if pin else (packed,)
-        hit = int(self._call("lookup_local", *args, timeout=self._lookup_timeout, default=0))
+        local = self._send("lookup_local", *args)  # the manager's answer is the longer way
+        ref = probe.send(packed)
+        hit = int(self._reply("lookup_local", local, self._lookup_timeout, 0))
         if hit >= spans[-1].end:
             return hit  # the server's answer is not needed
         start = _chunks_within(spans, hit, self.config.chunk_size)  # chunks held locally
         left = self._lookup_timeout - (time.monotonic() - t0)
-        found = probe.answer(ref, len(spans), left)  # type: ignore[union-attr]
+        # A probe that could not be sent costs the server's hits of this lookup (and backs
+        # off: the next ones ask the manager).
+        found = None if ref is None else probe.answer(ref, len(spans), left)
         more = leading_true(found, start) if found is not None else 0
         # The manager indexes the server's chunks and counts the lookup; nobody waits.
         note = self._manager.note_remote

@@ -44,6 +44,10 @@ class ServerProbe:
         # serialization), which a lookup should not wait for.
         self.notes = SerialWorker(f"raykv-notes-{namespace}")
 
+    def ready(self) -> bool:
+        """Whether `send` would ask the server (False while backing off)."""
+        return not self._backoff or time.monotonic() >= self._retry_at
+
     def send(self, keys_wire: bytes) -> ray.ObjectRef | None:
         """Ask the server which keys it holds (a `PackedSpans` or `PackedKeys` `wire()`):
         the reply's ref, or None while backing off or when the server cannot be reached."""
