@@ -49,24 +49,26 @@ from raykv.simulate import load_trace  # noqa: E402
 
 TITLE = "Eviction policies"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
-UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9)).
+Hand-written analysis (figures from the full run this report records (2026-11-25 14:36
+UTC, commit 3d5d5a9, 2 cores, load 1.3 -> 2.4)). The policies and the simulator did
+not change since the 13:15 UTC run (commit ba4699e).
 
 The simulator loops are plain Python (an `OrderedDict`, a dict plus a list, or deques
 per policy); libCacheSim runs C, so with the file read included its ARC loop is faster
-than ours (0.93x), and its LFU loop about as fast (1.09x; ours spread 3.3-4.0 M req/s
-around its 3.5). A whole `raykv simulate` process beats a whole libCacheSim process (LRU
-1.83x, SIEVE 1.73x, S3-FIFO 2.30x) because it imports less: no numpy (the trace is read
-with `array`), no progress bar unless on a terminal, only the chosen subcommand, and no
-count of distinct ids unless a size or `--json` needs it. Every simulator loop is above
-1M req/s (slowest LFU 4.4, ARC 4.9 M req/s; LFU keeps lazy deque buckets of
-`[key, freq]` cells since 2026-11-25). The protocol path takes the common call
-(`evict(1)` with nothing pinned) on a short path, so for LRU, FIFO, SIEVE and S3-FIFO
-the calls a tier makes cost less per request than libCacheSim's Python binding does
-per `get` (2.16x / 2.20x / 1.63x / 1.54x). Not so for ARC (0.58x), Priority (0.63x, a
-`SortedDict` of levels) and LFU (0.30x: every hit moves a key between frequency buckets
-of a `SortedDict`); these are not goals of the issue, though LFU's is what a tier pays
-per touch with `cache_policy: lfu`.
+than ours (0.76x; 0.93x in the 13:15 UTC run, when ours also ran 4.31 M req/s but
+libCacheSim's 4.65 against 5.69 now), and its LFU loop about as fast (1.02x; ours
+spread 3.9-4.6 M req/s around its 4.1). A whole `raykv simulate` process beats a whole
+libCacheSim process (LRU 1.73x, SIEVE 1.63x, S3-FIFO 2.21x) because it imports less:
+no numpy (the trace is read with `array`), no progress bar unless on a terminal, only
+the chosen subcommand, and no count of distinct ids unless a size or `--json` needs
+it. Every simulator loop is above 1M req/s (slowest LFU 4.7, ARC 4.8 M req/s; LFU
+keeps lazy deque buckets of `[key, freq]` cells since 2026-11-25). The protocol path
+takes the common call (`evict(1)` with nothing pinned) on a short path, so for LRU,
+FIFO, SIEVE and S3-FIFO the calls a tier makes cost less per request than
+libCacheSim's Python binding does per `get` (2.01x / 2.27x / 1.61x / 1.52x). Not so
+for ARC (0.55x), Priority (0.60x, a `SortedDict` of levels) and LFU (0.29x: every hit
+moves a key between frequency buckets of a `SortedDict`); these are not goals of the
+issue, though LFU's is what a tier pays per touch with `cache_policy: lfu`.
 
 Miss counts: LRU, FIFO, LFU, SIEVE, CLOCK and ARC equal libCacheSim's exactly; S3-FIFO
 matches `S3FIFOv0` (threshold 2) within 2e-4; SLRU within 0.015 of its 2-segment SLRU;

@@ -67,13 +67,14 @@ WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
 
 TITLE = "TTFT with the demo model"
 NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 13:15
-UTC, commit ba4699e, 2 cores, load 4.6 -> 1.9)). From a cached 4k / 8k-token prompt the
-warm TTFT reached 0.94 / 1.00 of the ideal (the prefix already in the model's cache)
-from CPU, 0.86 / 0.88 from disk and 0.81 / 0.78 from Redis. raykv's own load took 10 /
-14 ms (CPU), 36 / 49 ms (disk, page cache) and 50 / 103 ms (Redis) against a suffix
-prefill of 0.23 / 0.35 s, which is why every cell met its goal: on this CPU the prefill
-dominates. On a GPU the load is most of a warm TTFT (see `bench_datapath`).
+Hand-written analysis (figures from the full run this report records (2026-11-25 14:36
+UTC, commit 3d5d5a9, 2 cores, load 1.3 -> 2.4)). From a cached 4k / 8k-token prompt the
+warm TTFT reached 0.94 / 0.97 of the ideal (the prefix already in the model's cache)
+from CPU, 0.83 / 0.88 from disk and 0.79 / 0.76 from Redis (0.94 / 1.00, 0.86 / 0.88
+and 0.81 / 0.78 in the 13:15 UTC run). raykv's own load took 12 / 14 ms (CPU), 38 / 45
+ms (disk, page cache) and 64 / 114 ms (Redis) against a suffix prefill of 0.24 / 0.36
+s, which is why every cell met its goal: on this CPU the prefill dominates. On a GPU
+the load is most of a warm TTFT (see `bench_datapath`).
 
 Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm
 path equal the cold path within 1e-4 and 12 greedy tokens are identical, with the
