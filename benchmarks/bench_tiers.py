@@ -19,8 +19,9 @@ is "noisy" when the baseline's own spread covers the gap. Measures:
   remote, vs one trivial async-actor round trip: once answered from the manager's
   index (it knows every tier's keys), then with the remote third unknown to the index
   (written there by another client), so that every lookup asks the remote tier: asked
-  by the manager after its own answer (the default), and asked by the client beside
-  the manager (`client_remote_probe`, the whole client call timed, packing included).
+  by the manager after its own answer (`client_remote_probe: false`), and asked by the
+  client beside the manager (`client_remote_probe`, the default; the whole client call
+  timed, packing included).
 * prefetch of 512 MiB (128 MiB with --quick) from disk into CPU vs the disk actor's
   own `get_batch` called directly.
 
@@ -71,17 +72,18 @@ index-only lookup on the Ray thread that received it; the spans cross as one msg
 bytes argument.
 
 When the remote third of the prefix is unknown to the index (another instance wrote
-it), the manager, asking the `ray://` server after its own plan, took 1.94x / 2.14x /
-2.70x (client -> manager -> server are two sequential round trips: 2.0x is that way's
-floor; the 8-chunk figure fell under it because its baseline's median was high in
-this run). With `client_remote_probe` the client sends the manager's `lookup_local`,
-then the server's `contains`, and joins the answers: 1.37x / 1.67x / 1.97x, the whole
-client call timed (packing the spans included), each "noisy" (the round trip's own
-spread is wider than the gap; 1.50x / 1.48x / 1.98x at 13:15, when the server's call
-went first). At 512 chunks both calls carry all 512 keys and the manager, the server
-and the client share 2 cores; the note that tells the manager what the server held
-goes from a client thread afterwards and is let out between repeats, untimed, so that
-neither figure carries it.
+it), the manager, asking the `ray://` server after its own plan
+(`client_remote_probe: false`), took 1.94x / 2.14x / 2.70x (client -> manager ->
+server are two sequential round trips: 2.0x is that way's floor; the 8-chunk figure
+fell under it because its baseline's median was high in this run). With
+`client_remote_probe` (the default since this run) the client sends the manager's
+`lookup_local`, then the server's `contains`, and joins the answers: 1.37x / 1.67x /
+1.97x, the whole client call timed (packing the spans included), each "noisy" (the
+round trip's own spread is wider than the gap; 1.50x / 1.48x / 1.98x at 13:15, when
+the server's call went first). At 512 chunks both calls carry all 512 keys and the
+manager, the server and the client share 2 cores; the note that tells the manager
+what the server held goes from a client thread afterwards and is let out between
+repeats, untimed, so that neither figure carries it.
 
 Why put misses its goal: a store that must own its objects (so data outlives the
 writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is

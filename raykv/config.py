@@ -126,7 +126,7 @@ class RayKVConfig:
     max_lower_writes_in_flight: int = 32  # background writes per lower tier; beyond it: skipped
     store_staging_size: float = 0.0  # GB a client stages for background stores; 0: stores wait
     read_cache_size: float = 0.0  # GB of batch objects a client keeps mapped after reading them
-    client_remote_probe: bool = False  # a lookup asks the ray:// server itself, beside the manager
+    client_remote_probe: bool = True  # a lookup asks the ray:// server itself, beside the manager
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:

@@ -3,9 +3,11 @@
 A lookup whose prefix runs past what the manager's index knows (chunks another instance
 wrote to the shared server) costs two round trips when the manager asks the server
 after its own answer: client -> manager -> server -> manager -> client. With config
-`client_remote_probe` the client sends the server's `contains` at the same time as the
-manager's `lookup_local` and joins the two answers: one round trip, at the price of one
-small call to the server per lookup (also when the local tiers hold the whole prefix).
+`client_remote_probe` (on by default) the client sends the manager's `lookup_local`
+and the server's `contains` at the same time and joins the two answers: one round
+trip, at the price of one small call to the server per lookup (also when the local
+tiers hold the whole prefix; the manager asks the server for every other lookup
+anyway).
 
 A server that fails or does not answer in time costs the remote's hits, never the
 lookup: the client then backs off (0.5 s, doubling up to 30 s) and lets the manager ask

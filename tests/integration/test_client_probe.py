@@ -1,7 +1,7 @@
-"""`client_remote_probe`: a lookup asks the `ray://` server itself, beside the manager's
-`lookup_local`, and joins the answers. Same hits as the manager asking, one round trip;
-the manager still learns what the server held and counts the lookup; a dead or slow
-server costs the server's hits, never the lookup."""
+"""`client_remote_probe` (the default): a lookup asks the `ray://` server itself, beside
+the manager's `lookup_local`, and joins the answers. Same hits as the manager asking,
+one round trip; the manager still learns what the server held and counts the lookup; a
+dead or slow server costs the server's hits, never the lookup."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_a_probing_client_finds_what_only_the_server_holds_and_the_manager_learn
     kv = kv_for(tokens, LAYERS, HIDDEN)
     with (
         raykv.connect(**fields, client_remote_probe=True) as probing,
-        raykv.connect(**fields) as plain,
+        raykv.connect(**fields, client_remote_probe=False) as plain,
     ):
         server = server_of(name, fields["namespace"])
         assert probing.store(tokens[: 2 * C], kv[:, :, : 2 * C]) == 2 * C
@@ -107,7 +107,11 @@ def test_a_probing_client_finds_what_only_the_server_holds_and_the_manager_learn
         assert after["hit_tokens"] == before["hit_tokens"] + 5 * C
         assert after["miss_tokens"] == before["miss_tokens"] + C
         # The same answer from a client that lets the manager ask, and the same bytes back.
+        probes = ray.get(server.stats.remote())["probes"]
         assert plain.lookup(tokens) == 5 * C
+        assert "remote_probes_sent" not in plain.stats().get("client", {})
+        # One call at the server: the manager's, for chunk 5, which no index knows.
+        assert ray.get(server.stats.remote())["probes"] == probes + 1
         dest = torch.zeros_like(kv)
         hit = probing.retrieve(tokens, dest)
         assert hit.sum() == 5 * C and torch.equal(dest[:, :, : 5 * C], kv[:, :, : 5 * C])
@@ -115,6 +119,33 @@ def test_a_probing_client_finds_what_only_the_server_holds_and_the_manager_learn
         assert probing.lookup(tokens, pin=True) == 5 * C
         assert probing.retrieve(tokens, dest).sum() == 5 * C
         assert probing.lookup(tokens[: 2 * C]) == 2 * C
+
+
+def test_clients_probe_by_default_and_a_retrieve_right_after_needs_no_note(cache_fields):
+    # The default: a lookup asks the server itself. The retrieve that follows at once
+    # (as an engine's does) must find the server's chunks although the note that tells
+    # the manager about them may not have arrived: the manager's get asks the server
+    # for keys no index knows.
+    fields, name = cache_fields
+    tokens = np.random.default_rng(5).integers(0, 30000, 5 * C)
+    kv = kv_for(tokens, LAYERS, HIDDEN)
+    with raykv.connect(**fields) as cache:
+        assert cache.config.client_remote_probe
+        server = server_of(name, fields["namespace"])
+        assert cache.store(tokens[:C], kv[:, :, :C]) == C
+        write_to_server(cache, server, tokens, kv, 1, 4)  # chunk 4 is nowhere
+        notes = cache._probe.notes
+        release = __import__("threading").Event()
+        notes.submit(release.wait)  # hold the note back until the retrieve is done
+        try:
+            assert cache.lookup(tokens) == 4 * C
+            assert cache.stats()["client"]["remote_probes_sent"] == 1
+            dest = torch.zeros_like(kv)
+            hit = cache.retrieve(tokens, dest)
+            assert hit.sum() == 4 * C and torch.equal(dest[:, :, : 4 * C], kv[:, :, : 4 * C])
+        finally:
+            release.set()
+        assert notes.drain(10)
 
 
 def test_a_dead_server_costs_a_probing_client_the_servers_hits_never_the_lookup(cache_fields):
