@@ -601,7 +601,8 @@ class KVCache:
             places = None
             if reads is not None:
                 reads.note(keys[: len(pairs)], [c.ref for _, c in pairs])
-                places = [(object_id(c.ref), c.index) for _, c in pairs]
+                oids = {ref: object_id(ref) for ref in refs}  # one per batch, not per chunk
+                places = [(oids[c.ref], c.index) for _, c in pairs]
             chunks = [(span, values[c.ref][c.index], c.meta) for span, c in pairs]
             return chunks, list(result.tiers), places
         return [], [], None

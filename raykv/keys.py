@@ -365,7 +365,7 @@ class KeyMaker:
     def keys_of(self, arr: np.ndarray, mask: Any = None) -> list[ChunkSpan]:
         """`keys` of an array `as_token_array` returned (a caller that checked its tokens
         already: the check is a pass over them)."""
-        skip = 0 if mask is None else _mask_skip(mask, len(arr), self.chunk_size)
+        skip = self.skipped(mask, len(arr))
         spans = _chain(arr, self.chunk_size, _seed_digest(self.hash_seed), self.save_unfull_chunk)
         model_name, world_size, worker_id, kv_dtype = self.identity
         return [
