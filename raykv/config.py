@@ -45,6 +45,7 @@ ENV_PREFIX = "RAYKV_"
 CONFIG_FILE_ENV = "RAYKV_CONFIG_FILE"
 TIERS = ("cpu", "disk", "remote")
 KNOWN_SERDES = ("naive", "raw")
+LOAD_MODES = ("async", "sync")  # how the vLLM connector loads a hit (see load_mode)
 KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -127,6 +128,10 @@ class RayKVConfig:
     store_staging_size: float = 0.0  # GB a client stages for background stores; 0: stores wait
     read_cache_size: float = 0.0  # GB of batch objects a client keeps mapped after reading them
     client_remote_probe: bool = True  # a lookup asks the ray:// server itself, beside the manager
+    load_mode: str = "async"  # vLLM connector: async (loads beside the engine's steps) or sync
+    max_loads_in_flight: int = 4  # vLLM connector: async loads at once; more requests wait
+    max_lookups_in_flight: int = 64  # vLLM connector: lookups at once; more requests are computed
+    load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
@@ -388,11 +393,16 @@ def _check_type(cfg: RayKVConfig, name: str) -> None:
 def _validate(cfg: RayKVConfig) -> None:
     for name in FIELD_NAMES:
         _check_type(cfg, name)
-    for name in ("chunk_size", "world_size", "lookup_timeout_ms"):
+    for name in ("chunk_size", "world_size", "lookup_timeout_ms", "load_timeout_ms"):
         _require(cfg, name, getattr(cfg, name) > 0, "must be a positive integer")
     for name in ("disk_write_workers", "disk_max_pending_writes"):
         _require(cfg, name, getattr(cfg, name) > 0, "must be a positive integer")
-    for name in ("max_lower_writes_in_flight", "remote_index_max_keys"):
+    for name in (
+        "max_lower_writes_in_flight",
+        "remote_index_max_keys",
+        "max_loads_in_flight",
+        "max_lookups_in_flight",
+    ):
         _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
     _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
     _require(cfg, "store_staging_size", cfg.store_staging_size >= 0, "must be >= 0 GB")
@@ -423,6 +433,7 @@ def _validate(cfg: RayKVConfig) -> None:
         bool(_NAME_RE.match(cfg.namespace)),
         "must be letters, digits, '_', '.' or '-', starting with a letter or digit",
     )
+    _require(cfg, "load_mode", cfg.load_mode in LOAD_MODES, f"allowed: {', '.join(LOAD_MODES)}")
     _require(
         cfg, "remote_serde", cfg.remote_serde in KNOWN_SERDES, f"allowed: {', '.join(KNOWN_SERDES)}"
     )

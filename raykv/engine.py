@@ -109,6 +109,14 @@ class KVCache:
         """The chunks of `tokens` this cache stores and looks up (masked chunks left out)."""
         return self._keys.keys(tokens, mask)
 
+    def hashed_spans(
+        self, hashes: Sequence[int | bytes | str], offsets: Sequence[int]
+    ) -> list[ChunkSpan]:
+        """The chunks of an engine's own chained chunk hashes (vLLM's block hashes at chunk
+        ends, which fold in what the engine keys on beyond token ids: LoRA adapter,
+        multimodal inputs, `cache_salt`); `offsets[i]` is where chunk i ends."""
+        return self._keys.keys_from_hashes(hashes, offsets)
+
     def _packed(self, spans: list[ChunkSpan]) -> Any:
         """`spans` as the manager's calls take them: the msgpack bytes of `PackedSpans`
         when their keys share one identity."""
@@ -442,9 +450,14 @@ class KVCache:
 
     def prefetch(self, tokens: Any) -> str:
         """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
-        spans = self.spans(tokens)
+        return self.prefetch_spans(self.spans(tokens))
+
+    def prefetch_spans(self, spans: list[ChunkSpan], lookup_id: str | None = None) -> str:
+        """`prefetch` of chunks keyed already (`spans`, `hashed_spans`), under `lookup_id`
+        if given: its `wait` says how many prefix tokens are pinned in CPU, its
+        `get_chunks` (or `unpin`) releases them."""
         self._settle()
-        lookup_id = uuid.uuid4().hex
+        lookup_id = lookup_id or uuid.uuid4().hex
         if spans and not self._closed:
             try:
                 self._manager.prefetch.remote(lookup_id, self._packed(spans))

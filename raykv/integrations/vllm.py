@@ -14,13 +14,29 @@ Enable it with::
 `namespace`, `chunk_size`, tiers...); `RAYKV_*` env and `RAYKV_CONFIG_FILE` apply
 underneath, with the precedence of `RayKVConfig.load`.
 
-Scheduler side: one pinned lookup per request (repeated calls reuse it), the hit rounded
-down to whole vLLM blocks and never the whole prompt. Worker side: `start_load_kv` copies
-whole blocks from the cached chunks into the request's blocks (one manager call and one
-`ray.get` per request); `wait_for_save` copies every newly completed chunk out of the
-blocks before it returns and stores it in the background (one manager call per request
-and step). A failed load is reported through `get_block_ids_with_load_errors` and vLLM
-recomputes those blocks.
+Keys: a chunk's key is vLLM's own block hash at the chunk's end, so it folds in all that
+vLLM keys a block on (token ids, LoRA adapter, multimodal inputs, prompt embeds,
+`cache_salt`): two requests share a chunk only where vLLM's prefix cache would share the
+block. The scheduler ships the hashes to the workers in the load and save specs.
+
+Nothing holds the engine still (`load_mode: async`, the default):
+
+- lookup: the first `get_num_new_matched_tokens` of a request sends a pinned lookup to a
+  lookup thread (a prefetch: chunks found only on disk or a remote are promoted into the
+  CPU tier at once) and answers `(None, False)` until it is back, so vLLM schedules the
+  other requests meanwhile. Past `max_lookups_in_flight` or `lookup_timeout_ms` the
+  request is computed; a late reply's pins are released.
+- load: a hit answers `(n, True)`: vLLM parks the request (`WAITING_FOR_REMOTE_KVS`)
+  and `start_load_kv` hands the copy to a loader thread; `get_finished` reports the
+  request once its blocks are written (failed blocks in the same pass, and vLLM
+  recomputes them). At most `max_loads_in_flight` loads at once; a hit whose chunks
+  another request is loading waits and then finds them in vLLM's own cache; an abort or
+  `load_timeout_ms` stops a load at a chunk boundary before it is reported.
+- save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
+  and the object-store put and manager call run on a saver thread.
+
+`load_mode: sync` copies a hit's blocks in the step that schedules the request, before
+its forward pass (every running request waits for that copy).
 
 Payloads are whole vLLM pages (`PAGES` layout), exact for every attention backend,
 including the CPU one whose K is packed per instruction set. A layout fingerprint (vLLM
@@ -33,8 +49,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +87,9 @@ logger = logging.getLogger(__name__)
 # Bytes copied out of the KV blocks and not yet handed to the cache; past this, new saves
 # are dropped (counted and logged) instead of holding the engine's step.
 MAX_PENDING_SAVE_BYTES = 1 << 30
+# Folded into every key's model name: chunks keyed by an older scheme miss, never hit.
+# 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
+KEY_VERSION = "keys-2"
 _MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -109,6 +129,7 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
     fingerprint = "|".join(
         str(part)
         for part in (
+            KEY_VERSION,
             _vllm_version(),
             _device_type(),
             getattr(vllm_config.attention_config, "backend", None) or "auto",
@@ -170,6 +191,34 @@ def _worker_rank(config: RayKVConfig) -> int:
         return 0
 
 
+# ----- keys: vLLM's own block hashes -----
+
+
+def block_hashes_shared(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's block hashes agree across processes (so raykv can key on them).
+
+    vLLM chains its block hashes from a seed: PYTHONHASHSEED if set, else a fixed one for
+    sha256 (its default) and fresh random bytes for xxhash, whose collision resistance
+    rests on a secret seed."""
+    import os
+
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    return os.environ.get("PYTHONHASHSEED") is not None or not algo.startswith("xxhash")
+
+
+def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> list[bytes]:
+    """vLLM's block hash at the end of each whole chunk of `request`'s first `n_tokens`.
+
+    A block hash chains over the whole prefix and folds in everything vLLM keys a block
+    on: the token ids, the LoRA adapter, multimodal inputs, prompt embeds and the
+    request's `cache_salt`. So two requests share a chunk only where vLLM's own prefix
+    cache would share the block."""
+    hashes = request.block_hashes
+    per_chunk = chunk // hash_block
+    n = min(n_tokens // chunk, len(hashes) // per_chunk)
+    return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
+
+
 # ----- metadata from scheduler to workers -----
 
 
@@ -177,23 +226,26 @@ def _worker_rank(config: RayKVConfig) -> int:
 class LoadSpec:
     """Copy tokens [start, end) of a request from raykv into its blocks.
 
-    `tokens` covers the whole chunks holding them (chunks are keyed by their prefix),
-    `block_ids` the request's blocks from token 0."""
+    `hashes` are vLLM's block hashes at the ends of the whole chunks holding them (chunk i
+    ends at token (i + 1) * chunk_size), `block_ids` the request's blocks from token 0.
+    `sync`: copy before this step's forward pass (else on the loader thread)."""
 
     req_id: str
     lookup_id: str
-    tokens: np.ndarray
+    hashes: list[bytes]
     start: int
     end: int
     block_ids: list[int]
+    sync: bool
 
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store the whole chunks of tokens [start, end) of a request (both chunk-aligned)."""
+    """Store the whole chunks of tokens [start, end) of a request (both chunk-aligned);
+    `hashes` key every chunk of [0, end)."""
 
     req_id: str
-    tokens: np.ndarray
+    hashes: list[bytes]
     start: int
     end: int
     block_ids: list[int]
@@ -211,19 +263,26 @@ class RayKVConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """The scheduler's view of one request."""
 
-    request: Any  # vLLM's Request: its all_token_ids grow as it decodes
+    request: Any  # vLLM's Request: its tokens and block hashes grow as it decodes
     lookup_id: str
-    hit: int  # prefix tokens raykv holds (whole chunks), pinned in CPU until loaded
     preemptions: int
-    pinned: bool
+    lookup: Future | None = None  # the lookup in flight
+    deadline: float = 0.0  # when an unanswered lookup counts as a miss
+    hit: int = 0  # prefix tokens raykv holds (whole chunks), pinned in CPU until loaded
+    pinned: bool = False  # the manager holds a lookup record (pins) under lookup_id
     local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
-    load: tuple[int, int] | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
 
 
-def _tokens(request: Any, n: int) -> np.ndarray:
-    return np.asarray(request.all_token_ids[:n], dtype=np.int32)
+@dataclass(slots=True)
+class _Load:
+    """An asynchronous load on a worker: its spec, its loader thread's future (the block
+    ids it could not write) and a flag that stops it at the next chunk."""
+
+    spec: LoadSpec
+    future: Future
+    stop: threading.Event
 
 
 class RayKVConnector(KVConnectorBase_V1):
@@ -241,7 +300,23 @@ class RayKVConnector(KVConnectorBase_V1):
             config = config.replace(worker_id=_worker_rank(config))
         self.config = config
         self._block_size = vllm_config.cache_config.block_size
+        self._hash_block = getattr(kv_cache_config, "hash_block_size", None) or self._block_size
         self._chunk = config.chunk_size
+        if self._chunk % self._hash_block:
+            raise ConfigError(
+                f"chunk_size={self._chunk} must be a multiple of vLLM's hash block size "
+                f"{self._hash_block}"
+            )
+        self._async = config.load_mode == "async"
+        self._keyed = block_hashes_shared(vllm_config)
+        if not self._keyed and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "raykv: vLLM's block hashes are seeded per process (prefix_caching_hash_algo="
+                "%s without PYTHONHASHSEED), so no other process could find what this engine "
+                "stores: the connector loads and stores nothing. Set PYTHONHASHSEED to one "
+                "value in every engine, or use prefix_caching_hash_algo=sha256.",
+                vllm_config.cache_config.prefix_caching_hash_algo,
+            )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
                 "raykv: kv_load_failure_policy=%r fails a request whose cached KV cannot be "
@@ -252,49 +327,152 @@ class RayKVConnector(KVConnectorBase_V1):
         self._kv: KVCache = connect(config)
         # Scheduler side.
         self._requests: dict[str, _Request] = {}
+        self._lookups: ThreadPoolExecutor | None = None
+        self._lookups_in_flight = 0  # scheduler thread only
+        self._pending_loads: list[LoadSpec] = []  # planned, not yet in a step's metadata
+        self._loading: dict[str, frozenset[bytes]] = {}  # async loads: request -> chunk hashes
         # Worker side.
         self._pages: PageConnector | None = None
         self._load_errors: set[int] = set()
+        self._loads: dict[str, _Load] = {}
+        self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
         # Counters for tests and logs: scheduler side, then worker side.
         self.lookups = 0
         self.lookups_after_preemption = 0
+        self.lookups_timed_out = 0
+        self.lookups_refused = 0  # the cap on lookups in flight was reached: computed
+        self.waits_for_lookup = 0  # steps a request waited for its lookup
+        self.waits_for_load = 0  # steps a hit waited for another request's load or the cap
+        self.async_loads = 0
         self.loaded_tokens = 0
         self.failed_tokens = 0
         self.saved_chunks = 0
         self.dropped_saves = 0
-        logger.info("raykv connector (%s) keys as %s", role.name, config.model_name)
+        logger.info(
+            "raykv connector (%s, load_mode=%s) keys as %s",
+            role.name,
+            config.load_mode,
+            config.model_name,
+        )
 
     # ===== scheduler side =====
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if not self._keyed:
+            return 0, False
         state = self._requests.get(request.request_id)
         if state is None or state.preemptions != request.num_preemptions:
             state = self._lookup(request, state)
+        hit = self._answer(state)
+        if hit is None:
+            self.waits_for_lookup += 1
+            return None, False  # the lookup is in flight: vLLM asks again next step
         state.local = num_computed_tokens
         # Whole blocks only, and never the whole prompt: vLLM must compute one token.
-        usable = min(state.hit, (request.num_tokens - 1) // self._block_size * self._block_size)
-        return max(0, usable - num_computed_tokens), False
+        usable = min(hit, (request.num_tokens - 1) // self._block_size * self._block_size)
+        n = usable - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        if not self._async:
+            return n, False
+        if len(self._loading) >= self.config.max_loads_in_flight or self._overlaps_a_load(
+            request, num_computed_tokens, usable
+        ):
+            self.waits_for_load += 1
+            return None, False  # wait: another load finishes first (then vLLM's cache holds it)
+        return n, True
 
     def _lookup(self, request: Request, old: _Request | None) -> _Request:
+        """Send the pinned lookup of `request` (a prefetch: chunks found below the CPU tier
+        are promoted at once) to a lookup thread; `_answer` reads its reply."""
         if old is not None:  # preempted: its blocks are gone, look it up again
             self.lookups_after_preemption += 1
-            if old.pinned:
-                self._kv.unpin(old.lookup_id, wait=False)
-        self.lookups += 1
+            self._release(old)
         lookup_id = f"vllm-{request.request_id}-{request.num_preemptions}-{uuid.uuid4().hex[:8]}"
-        try:
-            hit = self._kv.lookup(_tokens(request, request.num_tokens), True, lookup_id)
-        except RayKVError as exc:  # never fail the request over the cache
-            logger.warning("raykv lookup of %s failed: %s", request.request_id, exc)
-            hit = 0
-        state = _Request(request, lookup_id, hit, request.num_preemptions, hit > 0, saved=hit)
+        state = _Request(request, lookup_id, request.num_preemptions)
         self._requests[request.request_id] = state
+        hashes = chunk_hashes(request, request.num_tokens, self._chunk, self._hash_block)
+        if not hashes:
+            return state  # shorter than a chunk: nothing to find
+        if self._lookups_in_flight >= self.config.max_lookups_in_flight:
+            self.lookups_refused += 1
+            return state  # computed: a request is never held for a lookup slot
+        self.lookups += 1
+        self._lookups_in_flight += 1
+        spans = self._kv.hashed_spans(hashes, self._offsets(len(hashes)))
+        state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id)
+        state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         return state
+
+    def _pinned_lookup(self, spans: list[Any], lookup_id: str) -> int:
+        """On a lookup thread: prefix tokens ready in CPU for `spans`, pinned (0: nothing
+        pinned, nothing to release)."""
+        try:
+            self._kv.prefetch_spans(spans, lookup_id)
+            hit = self._kv.wait(lookup_id, self.config.lookup_timeout_ms / 1000.0)
+            if hit == 0:
+                self._kv.unpin(lookup_id, wait=False)
+            return hit
+        except Exception as exc:  # never fail the request (or the engine) over the cache
+            logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
+            return 0
+
+    def _answer(self, state: _Request) -> int | None:
+        """The request's hit, or None while its lookup is in flight and not yet late."""
+        fut = state.lookup
+        if fut is None:
+            return state.hit
+        if not fut.done():
+            if time.monotonic() < state.deadline:
+                return None
+            self.lookups_timed_out += 1
+            logger.warning("raykv lookup %s timed out: the request is computed", state.lookup_id)
+            self._release(state)
+            return 0
+        state.lookup = None
+        self._lookups_in_flight -= 1
+        state.hit = fut.result()
+        state.pinned = state.hit > 0
+        state.saved = state.hit
+        return state.hit
+
+    def _release(self, state: _Request) -> None:
+        """Release what `state`'s lookup pinned, now or (in flight) when its reply comes."""
+        fut, state.lookup = state.lookup, None
+        if fut is not None:
+            self._lookups_in_flight -= 1
+            lookup_id = state.lookup_id
+            fut.add_done_callback(lambda f: self._unpin_late(f, lookup_id))
+        elif state.pinned:
+            self._kv.unpin(state.lookup_id, wait=False)
+        state.pinned = False
+        state.hit = 0
+
+    def _unpin_late(self, fut: Future, lookup_id: str) -> None:
+        try:
+            if not fut.cancelled() and fut.result() > 0:
+                self._kv.unpin(lookup_id, wait=False)
+        except Exception as exc:  # the pin lease releases it
+            logger.warning("raykv: releasing late lookup %s failed: %r", lookup_id, exc)
+
+    def _offsets(self, n: int) -> list[int]:
+        return [(i + 1) * self._chunk for i in range(n)]
+
+    def _overlaps_a_load(self, request: Request, start: int, end: int) -> bool:
+        """Whether another request is loading a chunk of [start, end) of `request` (it then
+        waits, and finds the chunk in vLLM's own prefix cache once that load is done)."""
+        if not self._loading:
+            return False
+        first = start // self._chunk
+        mine = chunk_hashes(request, end, self._chunk, self._hash_block)[first:]
+        return any(not chunks.isdisjoint(mine) for chunks in self._loading.values())
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -302,20 +480,41 @@ class RayKVConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        if num_external_tokens > 0:
-            state.load = (state.local, state.local + num_external_tokens)
-        elif state.pinned:  # nothing will be loaded: release the pins now
-            self._kv.unpin(state.lookup_id, wait=False)
-            state.pinned = False
+        if num_external_tokens <= 0:  # nothing to load (or a later call after an async load)
+            if state.lookup is None and state.pinned:
+                self._kv.unpin(state.lookup_id, wait=False)
+                state.pinned = False
+            return
+        start, end = state.local, state.local + num_external_tokens
+        covered = -(-end // self._chunk) * self._chunk  # the whole chunks holding [start, end)
+        hashes = chunk_hashes(request, covered, self._chunk, self._hash_block)
+        state.block_ids = list(blocks.get_block_ids()[0])
+        spec = LoadSpec(
+            request.request_id,
+            state.lookup_id,
+            hashes,
+            start,
+            end,
+            state.block_ids[: end // self._block_size],
+            sync=not self._async,
+        )
+        self._pending_loads.append(spec)
+        state.pinned = False  # the worker's read releases the pins
+        if self._async:
+            self.async_loads += 1
+            self._loading[request.request_id] = frozenset(hashes[start // self._chunk :])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = RayKVConnectorMetadata()
+        meta = RayKVConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self._keyed:
+            return meta
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                self._plan(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
+                self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -326,10 +525,10 @@ class RayKVConnector(KVConnectorBase_V1):
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
-            self._plan(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
+            self._plan_save(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
         return meta
 
-    def _plan(
+    def _plan_save(
         self,
         state: _Request,
         req_id: str,
@@ -337,43 +536,27 @@ class RayKVConnector(KVConnectorBase_V1):
         num_scheduled: dict[str, int],
         meta: RayKVConnectorMetadata,
     ) -> None:
-        bs, chunk = self._block_size, self._chunk
-        if state.load is not None:
-            start, end = state.load
-            state.load = None
-            covered = -(-end // chunk) * chunk  # the whole chunks holding [start, end)
-            meta.loads.append(
-                LoadSpec(
-                    req_id,
-                    state.lookup_id,
-                    _tokens(state.request, covered),
-                    start,
-                    end,
-                    state.block_ids[: end // bs],
-                )
-            )
-            state.pinned = False  # the worker's read releases the pins
         done = min(num_computed + num_scheduled.get(req_id, 0), state.request.num_tokens)
-        end = done // chunk * chunk
+        hashes = chunk_hashes(state.request, done, self._chunk, self._hash_block)
+        end = len(hashes) * self._chunk
         if end > state.saved:
-            meta.saves.append(
-                SaveSpec(
-                    req_id,
-                    _tokens(state.request, end),
-                    state.saved,
-                    end,
-                    state.block_ids[: end // bs],
-                )
-            )
+            blocks = state.block_ids[: end // self._block_size]
+            meta.saves.append(SaveSpec(req_id, hashes, state.saved, end, blocks))
             state.saved = end
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
-        if state is not None and state.pinned:  # aborted or finished before its load
-            self._kv.unpin(state.lookup_id, wait=False)
-        return False, None  # saves are copied out by wait_for_save: blocks may be freed
+        if state is not None:  # aborted or finished before its load: release its pins
+            self._release(state)
+        # An async load still writing keeps the blocks: vLLM frees them once the workers
+        # report the request in finished_recving. Saves are copied out in the step.
+        return False, None
 
     # ===== worker side =====
 
@@ -387,6 +570,7 @@ class RayKVConnector(KVConnectorBase_V1):
             )
         self._pages = pages
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-load")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._pages is None or not self.has_connector_metadata():
@@ -394,16 +578,29 @@ class RayKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, RayKVConnectorMetadata)
         for spec in meta.loads:
-            self._load(spec)
+            if spec.sync:
+                self._load_errors |= self._load(spec, None)
+                continue
+            stop = threading.Event()
+            future = self._loader.submit(self._load, spec, stop)
+            self._loads[spec.req_id] = _Load(spec, future, stop)
 
-    def _load(self, spec: LoadSpec) -> None:
-        """Copy [start, end) into the blocks; report the blocks it could not fill."""
+    def _load(self, spec: LoadSpec, stop: threading.Event | None) -> set[int]:
+        """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
+        fill. A set `stop` or the load time-out ends it at a chunk boundary, so no copy
+        is still writing once it returns."""
         bs = self._block_size
         done = spec.start
+        deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
         try:
-            spans = [s for s in self._kv.spans(spec.tokens) if s.end > spec.start]
+            spans = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
+            spans = [s for s in spans if s.end > spec.start]
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
             for span, buf, meta in chunks:
+                if stop is not None and (stop.is_set() or time.monotonic() > deadline):
+                    why = "aborted" if stop.is_set() else "timed out"
+                    logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
+                    break
                 lo, hi = max(span.start, spec.start), min(span.end, spec.end)
                 if lo != done or lo >= hi:
                     break
@@ -412,19 +609,36 @@ class RayKVConnector(KVConnectorBase_V1):
                 done = hi
         except (RayKVError, ValueError, RuntimeError) as exc:
             logger.warning("raykv load of %s failed at token %d: %s", spec.req_id, done, exc)
+        except Exception:  # a loader thread must report, never die silently
+            logger.exception("raykv load of %s failed at token %d", spec.req_id, done)
         self.loaded_tokens += done - spec.start
-        if done < spec.end:
-            self.failed_tokens += spec.end - done
-            logger.info(
-                "raykv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
-                spec.req_id,
-                done - spec.start,
-                spec.end - spec.start,
-            )
-            self._load_errors.update(spec.block_ids[done // bs : spec.end // bs])
+        if done >= spec.end:
+            return set()
+        self.failed_tokens += spec.end - done
+        logger.info(
+            "raykv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
+            spec.req_id,
+            done - spec.start,
+            spec.end - spec.start,
+        )
+        return set(spec.block_ids[done // bs : spec.end // bs])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads that ended (finished_recving, once each); their unwritten blocks go
+        to this pass's `get_block_ids_with_load_errors`. A request that finished while its
+        load ran (an abort) stops that load at the next chunk and is reported once the
+        loader has stopped writing."""
+        for req_id in finished_req_ids:
+            load = self._loads.get(req_id)
+            if load is not None:
+                load.stop.set()
+        done = {req_id for req_id, load in self._loads.items() if load.future.done()}
+        for req_id in done:
+            self._load_errors |= self._loads.pop(req_id).future.result()
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv loads every layer before the forward
+        return None  # loads write whole blocks of every layer before they are reported
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -444,7 +658,7 @@ class RayKVConnector(KVConnectorBase_V1):
         object-store put and the manager call run in the background."""
         bs = self._block_size
         try:
-            every = self._kv.spans(spec.tokens)
+            every = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
             spans = [s for s in every if s.start >= spec.start]
             prefix = [s.key for s in every if s.start < spec.start]  # already saved
             copies = [self._pages.save(spec.block_ids[s.start // bs : s.end // bs]) for s in spans]
@@ -501,14 +715,24 @@ class RayKVConnector(KVConnectorBase_V1):
         return self._kv.flush(timeout)
 
     def shutdown(self) -> None:
-        if self._saver is not None:
-            self._saver.shutdown(wait=True)
-            self._saver = None
+        for load in self._loads.values():
+            load.stop.set()
+        for pool in (self._loader, self._saver, self._lookups):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._loader = self._saver = self._lookups = None
         for state in self._requests.values():
-            if state.pinned:
-                self._kv.unpin(state.lookup_id, wait=False)
+            self._release(state)
         self._requests.clear()
         self._kv.close()
 
 
-__all__ = ["RayKVConnector", "RayKVConnectorMetadata", "LoadSpec", "SaveSpec", "raykv_config"]
+__all__ = [
+    "RayKVConnector",
+    "RayKVConnectorMetadata",
+    "LoadSpec",
+    "SaveSpec",
+    "block_hashes_shared",
+    "chunk_hashes",
+    "raykv_config",
+]
