@@ -92,14 +92,24 @@ def prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, VOCAB, n).tolist()
 
 
-def run(llm: Any, prompts: list[list[int]], max_tokens: int = 6) -> list[dict[str, Any]]:
-    """Greedy outputs: tokens, top logprobs per step, tokens vLLM did not compute."""
-    from vllm.inputs import TokensPrompt
-
+def run(
+    llm: Any, prompts: list[list[int]], max_tokens: int = 6, salt: str | None = None
+) -> list[dict[str, Any]]:
+    """Greedy outputs: tokens, top logprobs per step, tokens vLLM did not compute
+    (`salt`: the requests' `cache_salt`)."""
     outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], sampling(max_tokens), use_tqdm=False
+        [tokens_prompt(p, salt) for p in prompts], sampling(max_tokens), use_tqdm=False
     )
     return [result(o) for o in outs]
+
+
+def tokens_prompt(tokens: list[int], salt: str | None = None) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=tokens)
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    return prompt
 
 
 def result(out: Any) -> dict[str, Any]:

