@@ -77,6 +77,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("peer", "benchmarks.bench_peer", 300, 900),
     Spec("datapath", "benchmarks.bench_datapath", 300, 900),
     Spec("vllm", "benchmarks.bench_vllm", 900, 2400),
+    Spec("isolation", "benchmarks.bench_isolation", 900, 3000),
 )
 
 

@@ -694,6 +694,8 @@ class PageConnector:
         self.dtype = first.dtype
         self.dtype_name = str(first.dtype).removeprefix("torch.")
         self.device = first.device
+        # Bytes of one block across every layer (what a payload holds per block).
+        self.block_nbytes = len(layers) * first[0].numel() * first.element_size()
 
     def meta(self, num_blocks: int) -> PayloadMeta:
         """The metadata of a payload of `num_blocks` blocks of every layer."""
@@ -718,12 +720,20 @@ class PageConnector:
             )
         return idx.to(self.device)
 
-    def save(self, block_ids: Sequence[int]) -> tuple[np.ndarray, PayloadMeta]:
-        """A new host payload holding `block_ids` of every layer (the caller may reuse the
-        blocks as soon as this returns)."""
+    def save(
+        self, block_ids: Sequence[int], out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, PayloadMeta]:
+        """A host payload holding `block_ids` of every layer, written into `out` (a flat
+        uint8 array of the payload's size, e.g. a reused warm buffer) or a new array. The
+        caller may reuse the blocks as soon as this returns."""
         idx = self._index(block_ids)
         meta = self.meta(len(idx))
-        buf = np.empty(meta.nbytes, dtype=np.uint8)
+        if out is None:
+            buf = np.empty(meta.nbytes, dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.ndim != 1 or out.nbytes != meta.nbytes:
+            raise InvalidInputError(f"out must be a flat uint8 array of {meta.nbytes} bytes")
+        else:
+            buf = out
         host = torch.from_numpy(buf).view(self.dtype).reshape(meta.shape)
         if self.device.type == "cpu":
             for i, layer in enumerate(self.layers):

@@ -51,11 +51,13 @@ import re
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 import xxhash
 
 try:
@@ -87,6 +89,8 @@ logger = logging.getLogger(__name__)
 # Bytes copied out of the KV blocks and not yet handed to the cache; past this, new saves
 # are dropped (counted and logged) instead of holding the engine's step.
 MAX_PENDING_SAVE_BYTES = 1 << 30
+# Save buffers kept warm for the next steps' copies once the cache has the bytes.
+SAVE_POOL_BYTES = 256 << 20
 # Folded into every key's model name: chunks keyed by an older scheme miss, never hit.
 # 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
 KEY_VERSION = "keys-2"
@@ -275,6 +279,31 @@ class _Request:
     saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
 
 
+class BufferPool:
+    """Flat uint8 buffers kept for reuse, by size, up to `capacity` bytes in all: a copy
+    into a buffer that was written before costs a memcpy, one into fresh memory also
+    pays its page faults (about as much again). Not thread-safe: the caller locks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of `nbytes`: a kept one if any, else a new one."""
+        kept = self._free.get(nbytes)
+        if kept:
+            self.held -= nbytes
+            return kept.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keep `buf` for a later `take` (dropped when the pool is full)."""
+        if self.held + buf.nbytes <= self.capacity:
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self.held += buf.nbytes
+
+
 @dataclass(slots=True)
 class _Load:
     """An asynchronous load on a worker: its spec, its loader thread's future (the block
@@ -337,6 +366,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self._loads: dict[str, _Load] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
+        self._buffers = BufferPool(SAVE_POOL_BYTES)  # warm save buffers, under _pending_lock
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
@@ -353,6 +383,11 @@ class RayKVConnector(KVConnectorBase_V1):
         self.failed_tokens = 0
         self.saved_chunks = 0
         self.dropped_saves = 0
+        # The latest loads as (tokens written, bytes written, seconds from submission to
+        # the last block written): the load throughput the benchmark reports.
+        self.load_log: deque[tuple[int, int, float]] = deque(maxlen=1024)
+        # The latest steps' in-step save work as (bytes copied, seconds in wait_for_save).
+        self.save_log: deque[tuple[int, float]] = deque(maxlen=1024)
         logger.info(
             "raykv connector (%s, load_mode=%s) keys as %s",
             role.name,
@@ -439,6 +474,12 @@ class RayKVConnector(KVConnectorBase_V1):
         state.lookup = None
         self._lookups_in_flight -= 1
         state.hit = fut.result()
+        logger.debug(
+            "raykv lookup %s: %d tokens, answered %.1f ms before its deadline",
+            state.lookup_id,
+            state.hit,
+            (state.deadline - time.monotonic()) * 1e3,
+        )
         state.pinned = state.hit > 0
         state.saved = state.hit
         return state.hit
@@ -570,7 +611,15 @@ class RayKVConnector(KVConnectorBase_V1):
             )
         self._pages = pages
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-load")
+        # One torch thread for the loader's copies: torch's thread count is per calling
+        # thread, and a second team of OpenMP threads beside the forward pass's would
+        # fight it for the cores (the running requests' steps would stall).
+        self._loader = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="raykv-load",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._pages is None or not self.has_connector_metadata():
@@ -582,15 +631,18 @@ class RayKVConnector(KVConnectorBase_V1):
                 self._load_errors |= self._load(spec, None)
                 continue
             stop = threading.Event()
-            future = self._loader.submit(self._load, spec, stop)
+            future = self._loader.submit(self._load, spec, stop, time.perf_counter())
             self._loads[spec.req_id] = _Load(spec, future, stop)
 
-    def _load(self, spec: LoadSpec, stop: threading.Event | None) -> set[int]:
+    def _load(
+        self, spec: LoadSpec, stop: threading.Event | None, submitted: float | None = None
+    ) -> set[int]:
         """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
         fill. A set `stop` or the load time-out ends it at a chunk boundary, so no copy
         is still writing once it returns."""
         bs = self._block_size
         done = spec.start
+        submitted = time.perf_counter() if submitted is None else submitted
         deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
         try:
             spans = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
@@ -612,6 +664,17 @@ class RayKVConnector(KVConnectorBase_V1):
         except Exception:  # a loader thread must report, never die silently
             logger.exception("raykv load of %s failed at token %d", spec.req_id, done)
         self.loaded_tokens += done - spec.start
+        nbytes = (done - spec.start) // bs * self._pages.block_nbytes
+        seconds = time.perf_counter() - submitted
+        self.load_log.append((done - spec.start, nbytes, seconds))
+        logger.debug(
+            "raykv load of %s: %d tokens (%d bytes) in %.1f ms, sync=%s",
+            spec.req_id,
+            done - spec.start,
+            nbytes,
+            seconds * 1e3,
+            spec.sync,
+        )
         if done >= spec.end:
             return set()
         self.failed_tokens += spec.end - done
@@ -650,24 +713,30 @@ class RayKVConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, RayKVConnectorMetadata)
-        for spec in meta.saves:
-            self._save(spec)
+        if not meta.saves:
+            return
+        t0 = time.perf_counter()
+        copied = sum(self._save(spec) for spec in meta.saves)
+        if copied:
+            self.save_log.append((copied, time.perf_counter() - t0))
 
-    def _save(self, spec: SaveSpec) -> None:
-        """Copy the chunks out of the blocks now (they may be reused next step); the
-        object-store put and the manager call run in the background."""
+    def _save(self, spec: SaveSpec) -> int:
+        """Copy the chunks out of the blocks now (they may be reused next step), each into
+        a warm buffer of the pool; the object-store put and the manager call run on the
+        saver thread, which returns the buffers. Returns the bytes copied. Saves that would
+        hold more than `MAX_PENDING_SAVE_BYTES` are dropped and counted, never waited for."""
         bs = self._block_size
         try:
             every = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
-            spans = [s for s in every if s.start >= spec.start]
-            prefix = [s.key for s in every if s.start < spec.start]  # already saved
-            copies = [self._pages.save(spec.block_ids[s.start // bs : s.end // bs]) for s in spans]
-        except (InvalidInputError, RuntimeError) as exc:
+        except InvalidInputError as exc:
             logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
-            return
+            return 0
+        spans = [s for s in every if s.start >= spec.start]
         if not spans:
-            return
-        nbytes = sum(buf.nbytes for buf, _ in copies)
+            return 0
+        prefix = [s.key for s in every if s.start < spec.start]  # already saved
+        sizes = [(s.end - s.start) // bs * self._pages.block_nbytes for s in spans]
+        nbytes = sum(sizes)
         with self._pending_lock:
             if self._pending_bytes + nbytes > MAX_PENDING_SAVE_BYTES:
                 self.dropped_saves += len(spans)
@@ -677,12 +746,22 @@ class RayKVConnector(KVConnectorBase_V1):
                     spec.req_id,
                     self._pending_bytes,
                 )
-                return
+                return 0
             self._pending_bytes += nbytes
+            buffers = [self._buffers.take(n) for n in sizes]
+        try:
+            copies = [
+                self._pages.save(spec.block_ids[s.start // bs : s.end // bs], out=buf)
+                for s, buf in zip(spans, buffers, strict=True)
+            ]
+        except (InvalidInputError, RuntimeError) as exc:
+            logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
+            self._done_with(buffers, nbytes)
+            return 0
         self.saved_chunks += len(spans)
-        buffers = [buf for buf, _ in copies]
         metas = [m for _, m in copies]
         self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix)
+        return nbytes
 
     def _put(
         self,
@@ -697,8 +776,14 @@ class RayKVConnector(KVConnectorBase_V1):
         except Exception:  # a background save must never take the engine down
             logger.exception("raykv background save failed")
         finally:
-            with self._pending_lock:
-                self._pending_bytes -= n
+            self._done_with(buffers, n)
+
+    def _done_with(self, buffers: list[np.ndarray], n: int) -> None:
+        """The cache has its own copy of `buffers` (or gave up): back to the pool."""
+        with self._pending_lock:
+            self._pending_bytes -= n
+            for buf in buffers:
+                self._buffers.give(buf)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -345,3 +345,16 @@ def test_pages_payload_round_trips_through_the_codec(dtype):
     src = make_cache(dtype, seed=41)
     for layer in range(NUM_LAYERS):
         assert same_bits(dst[layer][[1, 2, 3]], src[layer][[6, 3, 0]])
+
+
+def test_save_into_a_given_buffer_writes_the_same_bytes_there():
+    cache = make_cache(torch.float32, seed=8)
+    conn = PageConnector(cache)
+    ref, meta = conn.save([1, 2, 6])
+    assert conn.block_nbytes * 3 == meta.nbytes
+    out = np.full(meta.nbytes, 0xAB, dtype=np.uint8)  # a reused buffer holding old bytes
+    buf, meta2 = conn.save([1, 2, 6], out=out)
+    assert buf is out and meta2 == meta and np.array_equal(out, ref)
+    for bad in (np.zeros(meta.nbytes - 1, np.uint8), np.zeros(meta.nbytes // 4, np.float32)):
+        with pytest.raises(InvalidInputError, match="flat uint8"):
+            conn.save([1, 2, 6], out=bad)

