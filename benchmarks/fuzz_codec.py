@@ -47,7 +47,7 @@ import xxhash
 from raykv.config import RayKVConfig
 from raykv.errors import PayloadError
 from raykv.keys import CacheKey, make_key
-from raykv.payload import PayloadMeta, decode, encode, read_header
+from raykv.payload import ForeignRecordError, PayloadMeta, decode, encode, read_header
 from raykv.tiers.disk import DiskStore
 from raykv.tiers.remote import RedisBackend
 
@@ -120,7 +120,7 @@ class FuzzResult:
         return "\n".join(lines)
 
 
-ALLOWED = frozenset({"ok", "ok_forged", "payload_error", "miss"})
+ALLOWED = frozenset({"ok", "ok_forged", "payload_error", "miss", "miss_foreign"})
 
 
 # ----- seeds and mutations -----
@@ -317,6 +317,13 @@ class RedisTarget:
         metas, arrays = self.loop.run_until_complete(self.backend.get_batch([seed.key]))
         if metas[0] is None:
             assert arrays[0].size == 0, "a miss with data"
+            try:
+                decode(data, seed.key.to_string(), DTYPE)
+            except ForeignRecordError:  # well-formed, another secret's: a miss left in place
+                assert not self.fake.unlinked, "another secret's record was deleted"
+                return "miss_foreign"
+            except PayloadError:
+                pass
             assert self.fake.unlinked == [self.backend._name(seed.key)], "bad value not deleted"
             return "miss"
         assert not self.fake.unlinked, "a hit was deleted"

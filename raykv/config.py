@@ -451,6 +451,13 @@ def _validate(cfg: RayKVConfig) -> None:
             len(cfg.payload_secret) >= MIN_PAYLOAD_SECRET_CHARS,
             f"must be null or a string of at least {MIN_PAYLOAD_SECRET_CHARS} characters",
         )
+        _require(
+            cfg,
+            "payload_secret",
+            cfg.payload_secret == cfg.payload_secret.strip(),
+            "must not start or end with whitespace (from a file, the environment or a "
+            "keyword alike: a stray space or newline would change the key)",
+        )
     _validate_extra(cfg.extra_config)
     object.__setattr__(cfg, "extra_config", copy.deepcopy(cfg.extra_config))
 
@@ -734,6 +741,16 @@ def _env_layer(environ: Mapping[str, str]) -> _Layer:
 def _parse_env(key: str, var: str, text: str) -> Any:
     """Parse one env value with the field's type; errors name the variable."""
     base, optional = _field_types()[key]
+    if key in SECRET_FIELDS:
+        # Never turned off (or trimmed) by the environment: an empty or null value is a
+        # mistake that would silently accept forgeable records; whitespace is checked,
+        # as for a file's value, in validation.
+        if text.strip().lower() in _NULL:
+            raise ConfigError(
+                f"{var} is set but empty or null: a secret cannot be turned off from the "
+                f"environment (unset {var} to use the file's {key}, or give the secret)"
+            )
+        return text
     s = text.strip()
     if optional and s.lower() in _NULL:
         return None

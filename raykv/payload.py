@@ -51,6 +51,7 @@ LAYOUT_PAGES = "PAGES"
 MAX_NDIM = 8
 MAX_KEY_BYTES = 1024
 MAX_PAYLOAD_BYTES = 1 << 36  # 64 GiB: anything larger is a corrupt or hostile header
+MAX_DIM = 1 << 32  # no dimension of a chunk's KV comes near this
 
 _FIXED = struct.Struct("<4sHBBBBHQQ")
 _HEADER_SUM = struct.Struct("<I")
@@ -119,10 +120,16 @@ class PayloadMeta:
         if self.layout not in _LAYOUT_CODES:
             raise PayloadError(f"unknown layout {self.layout!r}; known: {sorted(_LAYOUT_CODES)}")
         shape = tuple(self.shape)
+        # Every dimension of both layouts is a count of something (layers, tokens, blocks,
+        # heads x dims): at least 1, and none so large that a header could name a tensor
+        # no tier could hold (a zero elsewhere would make such a shape 0 bytes).
         if len(shape) > MAX_NDIM or any(
-            not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0 for d in shape
+            not isinstance(d, (int, np.integer)) or isinstance(d, bool) or not 1 <= d <= MAX_DIM
+            for d in shape
         ):
-            raise PayloadError(f"shape must be up to {MAX_NDIM} ints >= 0, got {self.shape!r}")
+            raise PayloadError(
+                f"shape must be up to {MAX_NDIM} ints in [1, {MAX_DIM}], got {self.shape!r}"
+            )
         if self.layout == LAYOUT_KV_2LTD and (len(shape) != 4 or shape[0] != 2):
             raise PayloadError(
                 f"layout KV_2LTD needs shape [2, num_layers, num_tokens, hidden], got {list(shape)}"
@@ -332,14 +339,25 @@ def encode(
     return out
 
 
+class ForeignRecordError(PayloadError):
+    """A well-formed record this reader may not serve: plain where it needs a keyed one,
+    keyed where it has no secret, or keyed with another secret (or forged: the two look
+    alike). Another process of a shared store may own it, so a store treats it as a miss
+    and leaves it in place; only a malformed record is deleted."""
+
+
 def _check_version(version: int, keyed: bool) -> None:
     """A reader with a secret takes only keyed records, one without takes only plain ones."""
     if version == (VERSION_KEYED if keyed else VERSION):
         return
     if version == VERSION:
-        raise PayloadError("record has no keyed MAC, but this reader requires one (payload_secret)")
+        raise ForeignRecordError(
+            "record has no keyed MAC, but this reader requires one (payload_secret)"
+        )
     if version == VERSION_KEYED:
-        raise PayloadError("record carries a keyed MAC, but this reader has no payload_secret")
+        raise ForeignRecordError(
+            "record carries a keyed MAC, but this reader has no payload_secret"
+        )
     raise PayloadError(
         f"unsupported codec version {version}, expected {VERSION} or {VERSION_KEYED}"
     )
@@ -403,7 +421,7 @@ def _verify_tag(view: memoryview, header: Header, secret: Secret) -> None:
     signed = b"".join((view[:_SUM_AT], _NO_SUM, view[_FIXED.size : hlen]))
     stored = bytes(view[_SUM_AT : _FIXED.size]) + bytes(view[hlen : header.header_len])
     if not hmac.compare_digest(_tag(secret, signed, view[header.header_len :]), stored):
-        raise PayloadError("payload MAC mismatch: not written with this payload_secret")
+        raise ForeignRecordError("payload MAC mismatch: not written with this payload_secret")
 
 
 def decode(

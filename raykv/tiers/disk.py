@@ -81,9 +81,9 @@ def layout_digest(model_name: str, layout: str, kv_dtype: str, chunk_size: int) 
 
 @functools.lru_cache(maxsize=256)
 def _header_len(dtype: str, shape0: int, ndim: int, layout: str, key: str) -> int:
-    # The header's length depends on ndim and the key only: encode an empty probe.
-    shape = (shape0,) + (0,) * (ndim - 1) if ndim > 1 else (0,) * ndim
-    head, _ = encode_parts(_EMPTY, PayloadMeta(dtype, shape, layout), key)
+    # The header's length depends on ndim and the key only: encode a one-element probe.
+    meta = PayloadMeta(dtype, (shape0,) + (1,) * (ndim - 1), layout)
+    head, _ = encode_parts(np.zeros(meta.nbytes, np.uint8), meta, key)
     return len(head)
 
 

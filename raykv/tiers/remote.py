@@ -32,7 +32,7 @@ from raykv import metrics
 from raykv.config import mask_url
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta, buffer_problem, decode, encode
+from raykv.payload import ForeignRecordError, PayloadMeta, buffer_problem, decode, encode
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
 
@@ -91,11 +91,12 @@ class RedisBackend:
     """Chunks as binary codec records under `<namespace>:kv:<key string>` in Redis.
 
     One pipeline (or one MGET / UNLINK) per request. `SET NX` keeps the first value of a
-    key. A value that fails the codec check (garbage, truncated, another key's record;
-    with `payload_secret`, any value whose keyed MAC does not verify) is a miss and is
-    deleted. A chunk whose array does not match its meta is skipped and counted. The
-    password appears only in the client's connection settings: `repr`, logs and stats
-    show the masked URL; the payload secret appears nowhere.
+    key. A value that fails the codec check (garbage, truncated, another key's record) is
+    a miss and is deleted. A well-formed record keyed with another `payload_secret` (or
+    plain where keyed is needed, or keyed where plain is) is a miss and stays: another
+    process of the cache may own it. A chunk whose array does not match its meta is
+    skipped and counted. The password appears only in the client's connection settings:
+    `repr`, logs and stats show the masked URL; the payload secret appears nowhere.
     """
 
     scheme = "redis"
@@ -169,6 +170,8 @@ class RedisBackend:
             if value is not None:
                 try:
                     decoded = decode(value, key.to_string(), key.kv_dtype, secret=self._secret)
+                except ForeignRecordError as exc:  # another secret's (or none): theirs to keep
+                    logger.debug("redis tier: a miss, not this reader's record %s: %s", key, exc)
                 except PayloadError as exc:
                     logger.warning("redis tier: deleting a corrupt value of %s: %s", key, exc)
                     bad.append(self._name(key))

@@ -103,7 +103,7 @@ def test_non_contiguous_tensor_is_copied_correctly():
 @given(
     st.sampled_from(DTYPES),
     st.integers(1, 3),
-    st.integers(0, 7),
+    st.integers(1, 7),
     st.integers(1, 9),
     st.text(max_size=30),
 )
@@ -199,7 +199,9 @@ def test_random_bytes_never_decode_and_never_unpickle():
         ({"dtype": "complex64", "shape": (2, 1, 1, 1)}, "unsupported dtype"),
         ({"dtype": "float16", "shape": (3, 1, 1, 1)}, "KV_2LTD"),
         ({"dtype": "float16", "shape": (2, 1, 1)}, "KV_2LTD"),
-        ({"dtype": "float16", "shape": (2, -1, 1, 1)}, "ints >= 0"),
+        ({"dtype": "float16", "shape": (2, -1, 1, 1)}, r"ints in \[1, "),
+        ({"dtype": "float16", "shape": (2, 0, 1, 1)}, r"ints in \[1, "),
+        ({"dtype": "float16", "shape": (2, 1, 2**33, 1)}, r"ints in \[1, "),
         ({"dtype": "float16", "shape": (2, 1, 1, 1), "layout": "XYZ"}, "unknown layout"),
     ],
 )
@@ -212,3 +214,34 @@ def test_unknown_serde_is_rejected_with_known_names():
     arr, meta = tensor_to_buffer(_tensor("float16"))
     with pytest.raises(PayloadError, match="known"):
         encode(arr, meta, serde="zstd9")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 0, 2**63, 2**63), (2, 1, 0, 4), (2, 1, 2**40, 1)],
+    ids=["zero-and-huge", "zero", "huge"],
+)
+def test_a_record_with_valid_checksums_and_absurd_dimensions_is_a_payload_error(shape):
+    """A hostile writer can make a header's checksums agree with any shape: a zero
+    dimension makes a 2**63 one "0 bytes". The dimensions themselves are checked."""
+    import struct
+
+    import xxhash
+
+    from raykv import payload as pl
+
+    meta = PayloadMeta("float16", (2, 1, 1, 4))
+    key = "m@1@0@" + "0" * 32 + "@float16"
+    data = np.zeros(meta.nbytes, np.uint8)
+    buf = bytearray(encode(data, meta, key=key).tobytes())
+    body_at = pl._FIXED.size + 8 * 4 + len(key) + 4
+    buf = buf[:body_at]  # the forged shape declares 0 bytes (or too many): no body
+    fixed = list(pl._FIXED.unpack_from(buf))
+    fixed[7] = 0  # nbytes
+    fixed[8] = xxhash.xxh3_64_intdigest(b"")  # the empty body's checksum
+    pl._FIXED.pack_into(buf, 0, *fixed)
+    struct.pack_into("<4Q", buf, pl._FIXED.size, *shape)
+    end = body_at - 4
+    struct.pack_into("<I", buf, end, xxhash.xxh32_intdigest(bytes(buf[:end])))
+    with pytest.raises(PayloadError, match=r"ints in \[1, "):
+        decode(bytes(buf), expected_key=key)

@@ -166,8 +166,36 @@ def test_payload_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError, match="RAYKV_PAYLOAD_SECRET") as err:
         RayKVConfig.load()
     assert "too-short" not in str(err.value)
-    monkeypatch.setenv("RAYKV_PAYLOAD_SECRET", "")
-    assert RayKVConfig.load().payload_secret is None
+
+
+@pytest.mark.parametrize("value", ["", "  ", "none", "null", "NULL", "~"])
+def test_an_empty_or_null_env_secret_never_turns_the_mac_off(
+    value: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "raykv.yaml"
+    path.write_text(f"payload_secret: {SECRET}\n")
+    monkeypatch.setenv("RAYKV_CONFIG_FILE", str(path))
+    assert RayKVConfig.load().payload_secret == SECRET
+    monkeypatch.setenv("RAYKV_PAYLOAD_SECRET", value)
+    with pytest.raises(ConfigError, match="RAYKV_PAYLOAD_SECRET is set but empty or null"):
+        RayKVConfig.load()
+
+
+def test_a_secret_is_the_same_from_the_file_and_the_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "raykv.yaml"
+    path.write_text(f'payload_secret: "{SECRET}"\n')
+    from_file = RayKVConfig.from_file(path).payload_secret
+    monkeypatch.setenv("RAYKV_PAYLOAD_SECRET", SECRET)
+    assert RayKVConfig.from_env().payload_secret == from_file == SECRET
+    for padded in (f" {SECRET}", f"{SECRET}\n", f"{SECRET} "):  # never trimmed: refused
+        monkeypatch.setenv("RAYKV_PAYLOAD_SECRET", padded)
+        with pytest.raises(ConfigError, match="whitespace"):
+            RayKVConfig.from_env()
+        path.write_text(f"payload_secret: {padded!r}\n".replace("'", '"'))
+        with pytest.raises(ConfigError, match="whitespace"):
+            RayKVConfig.from_file(path)
 
 
 def test_payload_secret_is_masked_everywhere_it_could_be_shown(
@@ -308,7 +336,8 @@ def test_planted_redis_values_are_misses_for_a_reader_with_the_secret(redis_serv
         assert ack.accepted == [keys[-1]]
         assert metas[:-1] == [None] * len(planted) and all(a.size == 0 for a in arrays[:-1])
         assert metas[-1] == META and np.array_equal(arrays[-1], data(3))
-        assert listed == [keys[-1]]  # the forgeries were deleted
+        # Well-formed forgeries look like another secret's records: misses, left in place.
+        assert set(listed) == set(keys)
         stored = client.get(f"mac:kv:{keys[-1].to_string()}")
         assert stored[4] == pl.VERSION_KEYED
         assert SECRET not in repr(backend) and SECRET not in str(stats)
@@ -316,19 +345,22 @@ def test_planted_redis_values_are_misses_for_a_reader_with_the_secret(redis_serv
         client.close()
 
 
-def test_redis_values_written_with_the_secret_are_misses_without_it(redis_server: Any) -> None:
+def test_redis_records_of_another_secret_are_misses_left_in_place(redis_server: Any) -> None:
     writer = redis_backend(redis_server.url, SECRET)
     plain = redis_backend(redis_server.url, None)
 
-    async def scenario() -> tuple[Any, Any]:
+    async def scenario() -> tuple[Any, ...]:
         await writer.put([key(0)], [META], [data()])
+        await plain.put([key(1)], [META], [data(2)])
         without = await plain.get_batch([key(0)])
-        await writer.put([key(0)], [META], [data()])  # the plain reader deleted it
-        with_it = await writer.get_batch([key(0)])
+        other = await writer.get_batch([key(1)])
+        with_it = await writer.get_batch([key(0)])  # the plain reader left it in place
+        plain_again = await plain.get_batch([key(1)])
         await writer.close()
         await plain.close()
-        return without, with_it
+        return without, with_it, other, plain_again
 
-    without, with_it = asyncio.run(scenario())
-    assert without[0] == [None]
+    without, with_it, other, plain_again = asyncio.run(scenario())
+    assert without[0] == [None] and other[0] == [None]  # each other's records: misses
     assert with_it[0] == [META] and np.array_equal(with_it[1][0], data())
+    assert plain_again[0] == [META] and np.array_equal(plain_again[1][0], data(2))
