@@ -482,3 +482,64 @@ def test_a_yaml_file_cannot_construct_python_objects(tmp_path: Path) -> None:
 def test_token_arrays_are_normalised_once_to_little_endian_int32() -> None:
     arr = as_token_array(np.array([1, 2, 3], dtype=">i8"))
     assert arr.dtype == np.dtype("<i4") and arr.tolist() == [1, 2, 3]
+
+
+# ----- wire key forms: any msgpack value may arrive -----
+
+_HASH = "0123456789abcdef" * 2
+
+
+@pytest.mark.parametrize(
+    "identity, hashes",
+    [
+        (["m", 1, 0, "float16"], [7]),
+        (["m", 1, 0, "float16"], [None]),
+        (["m", 1, 0, "float16"], [{"a": 1}]),
+        (["m", 1, 0, "float16"], [b"\x00" * 16]),
+        (["m", 1, 0, "float16"], ["0" * 31]),
+        (["m", 1, 0, "float16"], ["G" * 32]),
+        (["m", 1, 0, "float16"], [_HASH.upper()]),
+        (["m", 1, 0, "float16"], {"h": _HASH}),
+        (["m", 1, 0, "float16"], None),
+        ([{"m": 1}, 1, 0, "float16"], [_HASH]),
+        (["m", "1", 0, "float16"], [_HASH]),
+        (["m", 1, 5, "float16"], [_HASH]),
+        (["m", 1, 0, None], [_HASH]),
+        (None, [_HASH]),
+    ],
+)
+def test_a_malformed_wire_key_form_is_an_invalid_input_error(identity: Any, hashes: Any) -> None:
+    import msgpack
+
+    from raykv.tiers.index import split_spans
+    from raykv.wire import KEYS_WIRE, SPANS_WIRE, unpack_keys
+
+    keys_form = msgpack.packb([KEYS_WIRE, identity, hashes])
+    with pytest.raises(InvalidInputError, match="malformed"):
+        unpack_keys(keys_form)
+    ends = list(range(1, 1 + len(hashes))) if isinstance(hashes, list) else [1]
+    spans_form = msgpack.packb([SPANS_WIRE, identity, hashes, ends])
+    with pytest.raises(InvalidInputError, match="malformed"):
+        split_spans(spans_form)
+    with pytest.raises(InvalidInputError, match="malformed"):
+        unpack_keys(spans_form)
+
+
+def test_a_msgpack_ext_type_in_a_wire_form_is_an_invalid_input_error() -> None:
+    import msgpack
+
+    from raykv.wire import KEYS_WIRE, unpack_keys
+
+    form = msgpack.packb([KEYS_WIRE, ["m", 1, 0, "float16"], [msgpack.ExtType(5, b"x" * 32)]])
+    with pytest.raises(InvalidInputError, match="malformed"):
+        unpack_keys(form)
+
+
+def test_well_formed_wire_forms_still_round_trip() -> None:
+    from raykv.tiers.index import split_spans
+    from raykv.wire import PackedKeys, PackedSpans, unpack_keys
+
+    spans = KeyMaker(chunk_size=4, model_name="m").keys(list(range(1, 13)))
+    keys, ends = split_spans(PackedSpans.of(spans).wire())
+    assert keys == [s.key for s in spans] and ends == [4, 8, 12]
+    assert unpack_keys(PackedKeys.of(keys).wire()) == keys
