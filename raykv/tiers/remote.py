@@ -24,12 +24,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from raykv import metrics
-from raykv.config import mask_url
+from raykv.config import mask_url, url_secrets
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import ForeignRecordError, PayloadMeta, buffer_problem, decode, encode
@@ -327,7 +326,7 @@ class RemoteStore:
         if not url:
             raise InvalidInputError("remote_url is not set; the remote tier is disabled")
         self.url = mask_url(url)
-        self._secret = urlsplit(url).password if "://" in url else None
+        self._secrets = url_secrets(url)  # raw and decoded: neither may reach a log
         self.timeout_s = timeout_s if timeout_s is not None else config.lookup_timeout_ms / 1000
         self._backend = backend or make_backend(url, config, self.timeout_s)
         self._scheme = self._backend.scheme
@@ -350,7 +349,9 @@ class RemoteStore:
     # ----- failure handling -----
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     async def _call(
         self, op: str, fn: Callable[[], Awaitable[T]], miss: T, timeout: float | None = None

@@ -824,10 +824,37 @@ def test_disk_store_from_config_reads_the_typed_fields(tmp_path: Path) -> None:
         (f"redis://h:6379/0?password={SECRET}", "redis://h:6379/0?password=***"),
         (f"redis://h/0?db=1&Password={SECRET}&x=1", "redis://h/0?db=1&Password=***&x=1"),
         (f"redis://u:{SECRET}@h/0?password={SECRET}", "redis://u:***@h/0?password=***"),
+        # Any argument whose decoded name names a secret, percent-encoded names included.
+        (f"rediss://h/0?ssl_password={SECRET}", "rediss://h/0?ssl_password=***"),
+        (f"redis://h/0?%70assword={SECRET}&db=2", "redis://h/0?%70assword=***&db=2"),
+        (f"redis://h/0?client_SECRET={SECRET}", "redis://h/0?client_SECRET=***"),
+        # An '@' in the query is not user info.
+        ("redis://h:1/0?x=a@b", "redis://h:1/0?x=a@b"),
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:
     assert mask_url(url) == masked
+    assert SECRET not in mask_url(url)
+
+
+def test_a_percent_encoded_password_is_scrubbed_raw_and_decoded_from_remote_errors() -> None:
+    from raykv.config import url_secrets
+    from raykv.tiers.remote import RemoteStore
+
+    raw = "s%40cr%2Ft-pass-1234"  # decodes to s@cr/t-pass-1234
+    url = f"redis://:{raw}@127.0.0.1:1/0?ssl_password=other-secret-5678"
+    assert set(url_secrets(url)) >= {raw, "s@cr/t-pass-1234", "other-secret-5678"}
+    store = RemoteStore(RayKVConfig(remote_url=url), timeout_s=0.1)
+    text = store._scrub(f"auth failed for s@cr/t-pass-1234 and {raw} and other-secret-5678")
+    assert "pass-1234" not in text and "other-secret" not in text
+
+
+def test_extra_config_values_under_secret_names_are_masked_for_display() -> None:
+    cfg = RayKVConfig(extra_config={"api_token": "tok-1234", "sso_password": "pw", "n": 3})
+    shown = (repr(cfg), cfg.to_yaml(mask_secrets=True), str(cfg.to_dict(mask_secrets=True)))
+    for text in shown:
+        assert "tok-1234" not in text and "'pw'" not in text and "3" in text
+    assert cfg.extra_config["api_token"] == "tok-1234"  # the value itself is kept
 
 
 def test_repr_and_config_show_mask_a_query_string_password() -> None:
