@@ -46,8 +46,9 @@ class DiskStoreActor:
         prefix: list[CacheKey] | None = None,
     ) -> PutAck:
         # The arrays are zero-copy views of the caller's object; the pending writes
-        # hold them until their files are complete.
-        ack = self._store.put(keys, metas, resolve_batch(batch), priority, prefix or ())
+        # hold them until their files are complete. The ack waits for them: the manager
+        # indexes what it accepts, so it must name only chunks whose files are complete.
+        ack = self._store.put_written(keys, metas, resolve_batch(batch), priority, prefix or ())
         ack.incarnation = self._store.incarnation  # the manager ignores acks of a past life
         return ack
 

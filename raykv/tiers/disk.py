@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,8 @@ SHARD_CHARS = 2  # one level of 256 shard directories: ~400 files each at 100k c
 PARALLEL_READ_BYTES = 512 << 10
 _HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+# `put_written` reports a write still running after this long as skipped.
+WRITTEN_ACK_TIMEOUT_SECS = 120.0
 _EMPTY = np.empty(0, dtype=np.uint8)
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 
@@ -105,6 +107,7 @@ class _Pending:
     reserved: int
     tmp_path: str
     cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)  # set when it ended
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -644,6 +647,35 @@ class DiskStore:
         self._publish()
         return ack
 
+    def put_written(
+        self,
+        keys: Sequence[CacheKey],
+        metas: Sequence[PayloadMeta],
+        arrays: Sequence[np.ndarray],
+        priority: float | None = None,
+        prefix: Sequence[CacheKey] = (),
+        timeout: float = WRITTEN_ACK_TIMEOUT_SECS,
+    ) -> PutAck:
+        """`put`, acked once its writes ended: `accepted` names only the chunks whose
+        files are complete (or were already), so whoever indexes the ack never lists a
+        chunk a failed write (ENOSPC, EIO) did not store; those move to `skipped` and a
+        later put writes them again. A write still running after `timeout` is reported
+        skipped too (the index then learns of it from a later put or a resync)."""
+        ack = self.put(keys, metas, arrays, priority, prefix)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            waits = [self._pending.get(k) for k in ack.accepted]
+        for rec in waits:
+            if rec is not None:
+                rec.done.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            written = [k for k in ack.accepted if k in self._index]
+        if len(written) < len(ack.accepted):
+            lost = set(ack.accepted).difference(written)
+            ack.skipped.extend(k for k in ack.accepted if k in lost)
+            ack.accepted = written
+        return ack
+
     def _put_one(
         self, key: CacheKey, meta: PayloadMeta, array: np.ndarray, ack: PutAck, deadline: float
     ) -> bool:
@@ -711,6 +743,7 @@ class DiskStore:
         """Worker thread: encode, write the temp file, rename it into place, commit."""
         final = self.path_of(rec.key)
         size = -1
+        renamed = False
         try:
             head, body = encode_parts(rec.array, rec.meta, rec.key.to_string(), secret=self._secret)
             parts = (head, body)
@@ -720,11 +753,14 @@ class DiskStore:
                 os.makedirs(os.path.dirname(rec.tmp_path), mode=0o700, exist_ok=True)
                 _write_file(rec.tmp_path, parts, self._fsync)
             os.replace(rec.tmp_path, final)
+            renamed = True
             if self._fsync:  # make the rename itself durable
                 _fsync_dir(os.path.dirname(final))
             size = len(head) + body.nbytes
         except OSError as exc:
             _unlink(rec.tmp_path)
+            if renamed:  # not durable, and outside the index and the budget: no orphan
+                _unlink(final)
             kind = "disk_full" if exc.errno in _DISK_FULL else "write"
             logger.warning(
                 "disk tier: dropped a write of %d bytes (%s): %s", rec.meta.nbytes, kind, exc
@@ -732,6 +768,8 @@ class DiskStore:
             self._error(kind)
         except Exception as exc:  # a bug or a bad payload must not kill the writer thread
             _unlink(rec.tmp_path)
+            if renamed:
+                _unlink(final)
             logger.error("disk tier: write of %s failed: %s", rec.key, exc, exc_info=True)
             self._error("write")
         cancelled = False
@@ -748,6 +786,7 @@ class DiskStore:
                     self._finishing += 1
             self._notify_if_idle()
         rec.array = None
+        rec.done.set()
         self._slots.release()
         if cancelled:
             self._unlink_keys([rec.key])

@@ -396,3 +396,40 @@ def test_a_restart_removes_stale_temp_files_and_keeps_recent_ones(tmp_path: Path
         assert files(second, "*.tmp") == []
     finally:
         second.close()
+
+
+def test_a_written_ack_names_only_chunks_whose_files_are_complete(
+    store: DiskStore, monkeypatch
+) -> None:
+    """The ack the manager indexes: a write that fails with ENOSPC is skipped, not
+    accepted, so no index promises a chunk the disk does not hold; a later put writes it."""
+    real = os.write
+
+    def full_for_chunk_2(fd, data):
+        if key(2).chunk_hash in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(ds.os, "write", full_for_chunk_2)
+    keys, metas, arrays = zip(*[(key(i), *chunk(i)) for i in range(4)], strict=True)
+    ack = store.put_written(list(keys), list(metas), list(arrays))
+    assert ack.accepted == [key(0), key(1), key(3)] and ack.skipped == [key(2)]
+    assert store.contains([key(2)]) == [False] and store.stats()["errors"] == 1
+    monkeypatch.undo()
+    again = store.put_written([key(2)], [metas[2]], [arrays[2]])
+    assert again.accepted == [key(2)] and store.contains([key(2)]) == [True]
+    assert store.put_written([key(2)], [metas[2]], [arrays[2]]).accepted == [key(2)]  # held
+
+
+def test_a_failed_directory_fsync_leaves_no_file_outside_the_index(tmp_path: Path, monkeypatch):
+    store = DiskStore(tmp_path, 1 << 20, fsync=True)
+    try:
+        monkeypatch.setattr(ds, "_fsync_dir", lambda path: (_ for _ in ()).throw(OSError(5, "EIO")))
+        ack = store.put_written([key(1)], [chunk(1)[0]], [chunk(1)[1]])
+        assert ack.skipped == [key(1)] and not ack.accepted
+        assert files(store, "*") == [] and store.stats()["used_bytes"] == 0
+        monkeypatch.undo()
+        assert store.put_written([key(1)], [chunk(1)[0]], [chunk(1)[1]]).accepted == [key(1)]
+        assert len(files(store, "*")) == 1
+    finally:
+        store.close()
