@@ -120,11 +120,27 @@ class TierSet:
         task.add_done_callback(self._background.discard)
         return task
 
+    def drop_probe(self) -> None:
+        """Forget the remote probe (the next lookup makes a new one) and close its client
+        once the calls it may still have in flight are over: a dropped Redis client
+        would otherwise keep its connections and sockets for the manager's life."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            self.spawn(self._close_later(probe), name="raykv-close-probe")
+
+    @staticmethod
+    async def _close_later(probe: RemoteStore) -> None:
+        await asyncio.sleep(probe.timeout_s)
+        try:
+            await probe.close()
+        except Exception as exc:  # closing a client of a dead server may fail: nothing lost
+            logger.debug("closing the old remote probe failed: %r", exc)
+
     async def resync(self, tier: str) -> None:
         """Rebuild one tier's index from the tier itself (re-creating a dead tier first)."""
         handle = self.handles[tier]
         if tier == TIER_REMOTE:
-            self._probe = None  # the server may have been re-created: find it again
+            self.drop_probe()  # the server may have been re-created: find it again
         try:
             if tier == TIER_CPU:
                 inc, snap, seq = await asyncio.wait_for(
