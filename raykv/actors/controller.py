@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,9 @@ MAX_BATCH_EVENTS = 4096
 MAX_PENDING_EVENTS = 65536
 # Full resync of every manager this often, whatever happened.
 RESYNC_PERIOD_SECS = 30.0
+# An instance that sent nothing (not even a heartbeat, one a second) for this long is gone
+# (its node scaled away, its manager dead for good): its chunks are forgotten.
+SILENT_FORGET_SECS = 3 * RESYNC_PERIOD_SECS
 
 Location = tuple[str, str]  # (instance, tier)
 
@@ -57,12 +60,33 @@ Location = tuple[str, str]  # (instance, tier)
 class ControllerState:
     """chunk key -> set of (instance, tier), plus per-instance holdings for resyncs."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        silent_secs: float = SILENT_FORGET_SECS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._where: dict[CacheKey, set[Location]] = {}
         self._held: dict[str, dict[str, set[CacheKey]]] = {}
         self._seq: dict[str, int] = {}
         self._info: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, float] = {}  # instance -> when it last reported or resynced
+        self._silent_secs = silent_secs
+        self._clock = clock
+        self._swept_at = clock()
         self.incarnation = uuid.uuid4().hex
+
+    def _heard(self, instance: str) -> None:
+        """`instance` reported: note it, and forget the instances silent for too long
+        (checked at most once a second: one pass over the instances)."""
+        now = self._clock()
+        self._seen[instance] = now
+        if now - self._swept_at < 1.0:
+            return
+        self._swept_at = now
+        for other, seen in list(self._seen.items()):
+            if now - seen > self._silent_secs:
+                logger.info("controller: %s silent for %.0f s, forgetting it", other, now - seen)
+                self.forget(other)
 
     # ----- updates -----
 
@@ -98,6 +122,7 @@ class ControllerState:
         A resync is asked for when the instance is unknown (new, or this controller
         restarted) or when `seq` does not follow the last one (a batch was lost).
         """
+        self._heard(instance)
         last = self._seq.get(instance)
         self._seq[instance] = seq
         for tier, keys in evicted.items():
@@ -115,6 +140,7 @@ class ControllerState:
     ) -> None:
         """Replace everything known about `instance` with its full snapshot at `seq`."""
         self.forget(instance)
+        self._heard(instance)
         self._seq[instance] = seq
         self._info[instance] = dict(info or {})
         for tier, keys in snapshot.items():
@@ -127,6 +153,7 @@ class ControllerState:
         self._held.pop(instance, None)
         self._seq.pop(instance, None)
         self._info.pop(instance, None)
+        self._seen.pop(instance, None)
 
     # ----- queries -----
 

@@ -33,23 +33,37 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 _RESOURCE_SHARE = 0.001
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
+# Threads of the server's concurrency groups. A put blocks on a `ray.get` of the writer's
+# batch (hundreds of MB, perhaps from another node); every lookup probes `contains`. Apart,
+# slow puts never make probes time out (and their clients back off).
+KV_SERVER_WRITE_CALLS = 8
+KV_SERVER_READ_CALLS = 8
+
+
+@ray.remote(
+    num_cpus=0,
+    max_concurrency=4,
+    concurrency_groups={"write": KV_SERVER_WRITE_CALLS, "read": KV_SERVER_READ_CALLS},
+)
 class KVServer:
-    """Named detached actor serving `ray://NAME`; implements `LowerTier`."""
+    """Named detached actor serving `ray://NAME`; implements `LowerTier`. Puts run in
+    the "write" group, reads and probes in "read", control calls in the default one."""
 
     def __init__(self, capacity_bytes: int, policy: str = "lru") -> None:
         self._state = KVServerState(
             capacity_bytes, policy, store=ray.put, load=lambda refs: ray.get(refs)
         )
 
+    @ray.method(concurrency_group="write")
     def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
         """Pull the caller's batch (or take arrays by value) and keep an own copy per chunk."""
         return self._state.put(keys, metas, resolve_batch(batch))
 
-    @ray.method(num_returns=2)
+    @ray.method(num_returns=2, concurrency_group="read")
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
         return self._state.get_batch(keys)
 
+    @ray.method(concurrency_group="read")
     def contains(self, keys: list[CacheKey] | PackedKeys | bytes) -> list[bool]:
         return self._state.contains(unpack_keys(keys))
 

@@ -320,6 +320,33 @@ def test_kv_server_owns_what_it_stores_after_the_producer_dies(tmp_path: Path) -
         ray.kill(server)
 
 
+@ray.remote(num_cpus=0)
+def _slow_batch(seconds: float, ids: list[int]) -> list[np.ndarray]:
+    time.sleep(seconds)
+    return [chunk(i)[1] for i in ids]
+
+
+def test_kv_server_answers_probes_while_every_write_thread_waits_for_a_batch() -> None:
+    """Puts block on pulling the writer's batch; a lookup's probe must not wait for them."""
+    name = f"kv-starve-{uuid.uuid4().hex[:8]}"
+    cfg = config(remote_url=f"ray://{name}", max_remote_size=CAPACITY_GB)
+    server = get_or_create_kv_server(name, cfg, node_id=ray.get_runtime_context().get_node_id())
+    try:
+        ray.get(server.put.remote([key(0)], [chunk(0)[0]], [ray.put([chunk(0)[1]])]))
+        # More puts than write threads, each pulling a batch that takes 4 s to exist.
+        puts = [
+            server.put.remote([key(i)], [chunk(i)[0]], [_slow_batch.remote(4.0, [i])])
+            for i in range(1, 11)
+        ]
+        time.sleep(0.5)  # they are all waiting now
+        start = time.monotonic()
+        assert ray.get(server.contains.remote([key(0), key(1)]), timeout=10) == [True, False]
+        assert time.monotonic() - start < 1.5, "the probe waited for the puts"
+        assert all(ack.accepted for ack in ray.get(puts, timeout=30))
+    finally:
+        ray.kill(server)
+
+
 # ----- redis -----
 
 

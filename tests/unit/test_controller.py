@@ -109,3 +109,19 @@ def test_reporter_sequence_numbers_follow_each_other():
     for _ in range(3):
         b = rep.take()  # heartbeats
         assert not s.report("a", b.seq, b.admitted, b.evicted)
+
+
+def test_an_instance_silent_for_a_few_resync_periods_is_forgotten():
+    """A node removed by autoscaling stops reporting: its chunks must not be offered for
+    the controller's life. Instances that keep sending heartbeats stay."""
+    now = [0.0]
+    s = ControllerState(silent_secs=90.0, clock=lambda: now[0])
+    s.resync("gone", 0, {"cpu": keys(3)}, {"manager": "m-gone"})
+    s.resync("alive", 0, {"cpu": keys(2, "x")})
+    for t in range(1, 100):  # "alive" heartbeats every second, "gone" is silent
+        now[0] = float(t)
+        s.report("alive", t, {}, {})
+    assert "gone" not in s.instances() and s.best_instances(keys(3)) == []
+    assert s.info("gone") == {}
+    assert s.instances() == ["alive"] and s.best_instances(keys(2, "x"))[0][0] == "alive"
+    assert s.report("gone", 1, {}, {})  # if it comes back, it is asked to resync
