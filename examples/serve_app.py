@@ -13,12 +13,14 @@
 #
 # The answer is {"tokens": [...], "hit_tokens": h, "ttft_s": t, "replica": id, ...}; a
 # request sharing a cached prefix (>= one chunk) goes to the replica that served it and
-# reports hit_tokens > 0. Stop with Ctrl-C (or `serve shutdown -y`).
+# reports hit_tokens > 0. Stop with Ctrl-C (or `serve shutdown -y`). Those cache details
+# are on here (args below) because this is a demo on loopback: they tell one user whether
+# another's prompt is cached, so an app that tenants share leaves them off (the default).
 #
 # Settings: SERVE_DEMO_MODEL=tiny|demo (default tiny: 2 layers, hidden 64; demo:
 # raykv.demo.model.DEMO_CONFIG, 8 layers, hidden 512, vocab 32000), SERVE_DEMO_REPLICAS (2),
 # SERVE_DEMO_ROUTER=cache_aware|pow2|random, SERVE_DEMO_CHUNK_SIZE (64),
-# SERVE_DEMO_CACHE_SCOPE=shared|replica, or the same names (model, replicas, ...) under
+# SERVE_DEMO_CACHE_SCOPE=shared|replica, SERVE_DEMO_CACHE_DETAILS=true|false, or the same names (model, replicas, ...) under
 # the "args" below; raykv's own RAYKV_* variables configure the cache as usual (e.g.
 # RAYKV_ENABLE_CONTROLLER=true on a multi-node cluster: the router then also asks the
 # KVController which node holds a prompt's prefix). Variables reach the deployment when
@@ -33,6 +35,6 @@
 # (tests/integration/test_serve_example.py checks both readings).
 
 http_options: {"host": "127.0.0.1", "port": 8000}
-applications: [{"name": "raykv-demo", "route_prefix": "/", "import_path": "raykv.demo.serve_app:demo_app", "args": {}}]
+applications: [{"name": "raykv-demo", "route_prefix": "/", "import_path": "raykv.demo.serve_app:demo_app", "args": {"cache_details": "true"}}]
 if __name__ != "__main__": from raykv.demo.serve_app import app_from_env; app = app_from_env()
 if __name__ == "__main__": from raykv.demo.serve_app import demo_client; demo_client()

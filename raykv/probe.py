@@ -57,7 +57,11 @@ class ServerProbe:
             return None
         try:
             if self._server is None:
-                self._server = ray.get_actor(self.name, namespace=self.namespace)
+                from raykv.actors.common import check_actor_class
+                from raykv.actors.kv_server import KVServer
+
+                server = ray.get_actor(self.name, namespace=self.namespace)
+                self._server = check_actor_class(server, KVServer, self.name, self.namespace)
             ref = self._server.contains.remote(keys_wire)
         except Exception as exc:  # no such actor yet, Ray going away: the manager asks
             self._fail(exc)

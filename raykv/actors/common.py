@@ -13,6 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.base import ACTOR_OPTIONS
+from raykv.errors import ConfigError
 from raykv.wire import join_parts, split_batch
 
 # Ray keeps task returns up to this size in the owner's process heap (its
@@ -118,6 +119,36 @@ def actor_options(
     return options
 
 
+def check_actor_class(handle: Any, actor_cls: Any, name: str, namespace: str) -> Any:
+    """`handle` if it is an actor of `actor_cls`, else a `ConfigError`.
+
+    `get_if_exists` (and `ray.get_actor`) hand back whatever actor holds the name: a
+    detached actor of another class, created first under a raykv name by any job of the
+    cluster, would otherwise be used as the tier (it would see every lookup's keys and
+    could serve any bytes). The check reads the handle's class descriptor: no call.
+    """
+    want = actor_cls.__ray_metadata__.actor_creation_function_descriptor
+    got = getattr(handle, "_ray_actor_creation_function_descriptor", None)
+    if (getattr(got, "module_name", None), getattr(got, "class_name", None)) != (
+        want.module_name,
+        want.class_name,
+    ):
+        shown = f"{getattr(got, 'module_name', '?')}.{getattr(got, 'class_name', '?')}"
+        raise ConfigError(
+            f"the Ray actor named {name!r} in namespace {namespace!r} is a {shown}, not "
+            f"raykv's {want.module_name}.{want.class_name}: another job holds the name. "
+            "raykv refuses to use it; kill that actor or pick another namespace"
+        )
+    return handle
+
+
+def named_actor(actor_cls: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """The actor `options["name"]` (created with `options` and these arguments if
+    missing), checked to be an `actor_cls` (see `check_actor_class`)."""
+    handle = actor_cls.options(**options).remote(*args, **kwargs)
+    return check_actor_class(handle, actor_cls, options["name"], options["namespace"])
+
+
 def get_or_create_node_actor(
     actor_cls: Any,
     base_name: str,
@@ -130,15 +161,16 @@ def get_or_create_node_actor(
     """The node-scoped tier actor `<base_name>-<node_id[:12]>` of `node_id` (default: this
     node), created if missing and pinned to its node (see `actor_options`)."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return actor_cls.options(
-        **actor_options(name or node_scoped_name(base_name, node_id), namespace, node_id)
-    ).remote(*args, **kwargs)
+    options = actor_options(name or node_scoped_name(base_name, node_id), namespace, node_id)
+    return named_actor(actor_cls, options, *args, **kwargs)
 
 
 __all__ = [
     "HandoutHold",
     "actor_options",
+    "check_actor_class",
     "get_or_create_node_actor",
+    "named_actor",
     "node_scoped_name",
     "resolve_batch",
 ]

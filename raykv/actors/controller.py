@@ -35,7 +35,7 @@ from typing import Any
 import ray
 
 from raykv.actors.base import CONTROLLER_NAME
-from raykv.actors.common import actor_options
+from raykv.actors.common import actor_options, named_actor
 from raykv.keys import CacheKey
 from raykv.wire import TIER_CPU, TIER_DISK
 
@@ -343,9 +343,7 @@ class KVController:
 
 def get_or_create_controller(namespace: str) -> Any:
     """The cluster's `KVController` in `namespace` (detached, restarted forever)."""
-    return KVController.options(
-        **actor_options(CONTROLLER_NAME, namespace, near_caller=False)
-    ).remote()
+    return named_actor(KVController, actor_options(CONTROLLER_NAME, namespace, near_caller=False))
 
 
 def wait_listed(

@@ -18,7 +18,7 @@ from raykv.actors.base import (
     REMOTE_STORE_NAME,
     STORAGE_MANAGER_NAME,
 )
-from raykv.actors.common import actor_options, node_scoped_name
+from raykv.actors.common import actor_options, named_actor, node_scoped_name
 from raykv.config import RayKVConfig
 from raykv.wire import TIER_CPU, TIER_DISK, TIER_ORDER, TIER_REMOTE
 
@@ -38,9 +38,9 @@ def create_tier(config: RayKVConfig, tier: str, node_id: str | None = None) -> A
     if tier == TIER_CPU:
         from raykv.actors.cpu_store import CPUStoreActor
 
-        return CPUStoreActor.options(
-            **actor_options(scoped(CPU_STORE_NAME, node_id), config.namespace, node_id)
-        ).remote(
+        return named_actor(
+            CPUStoreActor,
+            actor_options(scoped(CPU_STORE_NAME, node_id), config.namespace, node_id),
             config.max_local_cpu_bytes,
             config.policy_for(TIER_CPU),
             blocking_timeout_secs=config.blocking_timeout_secs,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from raykv.actors.common import actor_options, resolve_batch
+from raykv.actors.common import actor_options, named_actor, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.kv_server import KVServerState
@@ -100,9 +100,7 @@ def get_or_create_kv_server(
     options = actor_options(
         name, config.namespace, node_id or None, near_caller=False, resources=resources
     )
-    return KVServer.options(**options).remote(
-        config.max_remote_bytes, config.policy_for(TIER_REMOTE)
-    )
+    return named_actor(KVServer, options, config.max_remote_bytes, config.policy_for(TIER_REMOTE))
 
 
 __all__ = ["KVServer", "KVServerState", "get_or_create_kv_server"]

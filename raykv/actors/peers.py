@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from raykv.actors.common import check_actor_class
 from raykv.actors.controller import (
     FLUSH_INTERVAL_SECS,
     RESYNC_PERIOD_SECS,
@@ -69,8 +70,11 @@ class ControllerLink:
         instance, name, n = found
         if name not in self.peers:
             try:
-                self.peers[name] = ray.get_actor(name, namespace=self.namespace)
-            except ValueError:
+                from raykv.actors.storage_manager import StorageManager
+
+                peer = ray.get_actor(name, namespace=self.namespace)
+                self.peers[name] = check_actor_class(peer, StorageManager, name, self.namespace)
+            except ValueError:  # gone (or not a raykv manager: ConfigError is a ValueError)
                 self._controller.forget.remote(instance)  # that manager is gone
                 return None
         self._instances[name] = instance

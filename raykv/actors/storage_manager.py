@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.common import node_scoped_name
+from raykv.actors.common import named_actor, node_scoped_name
 from raykv.actors.factory import actor_options, scoped, shutdown_manager
 from raykv.actors.manager_core import ManagerCore, RemoteProbe
 from raykv.config import RayKVConfig
@@ -31,9 +31,8 @@ def get_or_create_manager(config: RayKVConfig, node_id: str | None = None) -> An
     tiers. With `node_id` it is that node's manager (`raykv-storage-manager-<node>`, with
     its own CPU store, both pinned to the node): one cache instance per node."""
     name = scoped(STORAGE_MANAGER_NAME, node_id)
-    return StorageManager.options(**actor_options(name, config.namespace, node_id)).remote(
-        config, node_id
-    )
+    options = actor_options(name, config.namespace, node_id)
+    return named_actor(StorageManager, options, config, node_id)
 
 
 def manager_name(node_id: str) -> str:

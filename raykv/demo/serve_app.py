@@ -153,11 +153,19 @@ class KVModelServer:
             shutdown_manager(self.config.namespace)
 
 
-class KVIngress:
-    """HTTP ingress: `POST /` with `{"tokens": [...], "max_new_tokens": n}`."""
+# What a response says about the cache (and the server's own timing). On a cache shared
+# by tenants these fields tell one user whether another user's prompt is cached: only an
+# app built with `cache_details=True` (a demo, a benchmark) returns them.
+CACHE_DETAILS = ("hit_tokens", "hit_tiers", "replica", "node", "ttft_s")
 
-    def __init__(self, model: Any) -> None:
+
+class KVIngress:
+    """HTTP ingress: `POST /` with `{"tokens": [...], "max_new_tokens": n}`; the answer
+    is `{"tokens", "prompt_tokens"}`, plus `CACHE_DETAILS` with `cache_details`."""
+
+    def __init__(self, model: Any, cache_details: bool = False) -> None:
         self._model = model
+        self._details = cache_details
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -167,7 +175,10 @@ class KVIngress:
             if not isinstance(body, dict):
                 raise InvalidInputError("the body must be a JSON object")
             tokens, n = _check_request(body.get("tokens"), body.get("max_new_tokens", 16))
-            return await self._model.generate.remote(tokens, n)
+            out = await self._model.generate.remote(tokens, n)
+            if not self._details:
+                out = {k: v for k, v in out.items() if k not in CACHE_DETAILS}
+            return out
         except (ValueError, InvalidInputError) as exc:  # bad JSON or bad fields
             return JSONResponse({"error": str(exc)}, status_code=400)
 
@@ -186,6 +197,7 @@ def build_app(
     name_suffix: str = "",
     max_replicas_per_node: int | None = None,
     router_options: dict[str, Any] | None = None,
+    cache_details: bool = False,
 ) -> serve.Application:
     """The Serve application: `KVIngress` over `replicas` x `KVModelServer` routed by `router`.
 
@@ -195,6 +207,8 @@ def build_app(
     which node holds a prompt's prefix (not with ``cache_scope="replica"``, where each
     replica has a cache of its own and its summary already says what it holds).
     `max_replicas_per_node=1` spreads the replicas over the nodes of a cluster.
+    `cache_details` adds each request's hit tokens, tiers, replica, node and TTFT to
+    the HTTP answer: a side channel on a cache that tenants share, so off by default.
     """
     if not isinstance(replicas, int) or replicas < 1:
         raise InvalidInputError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -223,7 +237,8 @@ def build_app(
     return ingress.bind(
         server.bind(
             config, model, num_threads=num_threads, cache_scope=cache_scope, summary_size=4096
-        )
+        ),
+        cache_details,
     )
 
 
@@ -233,6 +248,7 @@ DEMO_ARGS: dict[str, tuple[str, str]] = {  # demo_app argument -> (environment v
     "router": ("SERVE_DEMO_ROUTER", "cache_aware"),
     "chunk_size": ("SERVE_DEMO_CHUNK_SIZE", "64"),
     "cache_scope": ("SERVE_DEMO_CACHE_SCOPE", "shared"),
+    "cache_details": ("SERVE_DEMO_CACHE_DETAILS", "false"),
 }
 
 
@@ -240,9 +256,9 @@ def demo_app(args: dict[str, Any]) -> serve.Application:
     """Serve application builder for examples/serve_app.py (import_path `demo.serve_app:demo_app`).
 
     `args` (a Serve config's ``args:``) may set model (tiny|demo), replicas, router,
-    chunk_size and cache_scope; what it leaves out comes from the ``SERVE_DEMO_*``
-    variables, then the defaults. The cache itself is configured as usual (RAYKV_*
-    variables, RAYKV_CONFIG_FILE).
+    chunk_size, cache_scope and cache_details (true|false, see `build_app`); what it
+    leaves out comes from the ``SERVE_DEMO_*`` variables, then the defaults. The cache
+    itself is configured as usual (RAYKV_* variables, RAYKV_CONFIG_FILE).
     """
     if not isinstance(args, dict):
         raise InvalidInputError(f"demo_app args must be a mapping, got {type(args).__name__}")
@@ -252,6 +268,10 @@ def demo_app(args: dict[str, Any]) -> serve.Application:
     opts = {
         k: str(args.get(k, os.environ.get(env, default))) for k, (env, default) in DEMO_ARGS.items()
     }
+    if opts["cache_details"].lower() not in ("true", "false"):
+        raise InvalidInputError(
+            f"cache_details must be true or false, got {opts['cache_details']!r}"
+        )
     if opts["model"] not in ("tiny", "demo"):
         raise InvalidInputError(f"model must be 'tiny' or 'demo', got {opts['model']!r}")
     try:
@@ -264,6 +284,7 @@ def demo_app(args: dict[str, Any]) -> serve.Application:
         config={"chunk_size": chunk_size, "kv_dtype": "float32"},
         model=TINY_MODEL if opts["model"] == "tiny" else {},
         cache_scope=opts["cache_scope"],  # type: ignore[arg-type]
+        cache_details=opts["cache_details"].lower() == "true",
     )
 
 
@@ -290,6 +311,9 @@ def demo_client(argv: Sequence[str] | None = None) -> None:
         req = urllib.request.Request(args.url, data=json.dumps(body).encode(), method="POST")
         with urllib.request.urlopen(req, timeout=120) as resp:
             out = json.loads(resp.read())
+        if "hit_tokens" not in out:  # cache details are off: the tokens only
+            print(f"request {turn}: tokens={out['tokens']} (cache_details off)")
+            continue
         print(
             f"request {turn}: replica={out['replica']} hit_tokens={out['hit_tokens']} "
             f"ttft_s={out['ttft_s']:.4f} tokens={out['tokens']}"

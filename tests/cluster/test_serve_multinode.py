@@ -61,6 +61,7 @@ def served(cluster) -> Iterator[tuple[str, RayKVConfig]]:
             num_threads=1,
             max_replicas_per_node=1,
             router_options={"use_summaries": False, "controller_timeout_s": 5.0},
+            cache_details=True,  # the test reads each answer's hit tokens, replica, node
         )
         serve.run(app, name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}/", RayKVConfig.load(**config)

@@ -52,6 +52,7 @@ def served() -> Iterator[tuple[str, str]]:
             model=TINY_MODEL,
             num_cpus=0.5,
             stats_period_s=0.5,
+            cache_details=True,  # these tests read each answer's hit tokens and replica
         )
         serve.run(app, name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}/", namespace
