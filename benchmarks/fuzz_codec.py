@@ -281,11 +281,15 @@ class DiskTarget:
 
 
 class _FakeRedis:
-    """The two calls `RedisBackend.get_batch` makes, answered from one value."""
+    """The calls `RedisBackend.get_batch` makes (a pipeline of GETRANGE and STRLEN, MGET,
+    UNLINK), answered from one value as Redis would."""
 
     def __init__(self) -> None:
         self.value: bytes | None = None
         self.unlinked: list[Any] = []
+
+    def pipeline(self, transaction: bool = False) -> _FakePipeline:
+        return _FakePipeline(self)
 
     async def mget(self, names: list[str]) -> list[bytes | None]:
         return [self.value for _ in names]
@@ -296,6 +300,21 @@ class _FakeRedis:
 
     async def aclose(self) -> None:
         pass
+
+
+class _FakePipeline:
+    def __init__(self, redis: _FakeRedis) -> None:
+        self._redis, self._replies = redis, []
+
+    def getrange(self, name: str, start: int, end: int) -> None:
+        value = self._redis.value
+        self._replies.append(b"" if value is None else value[start : end + 1])
+
+    def strlen(self, name: str) -> None:
+        self._replies.append(0 if self._redis.value is None else len(self._redis.value))
+
+    async def execute(self) -> list[Any]:
+        return self._replies
 
 
 class RedisTarget:

@@ -31,7 +31,14 @@ from raykv import metrics
 from raykv.config import mask_url, url_secrets
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
-from raykv.payload import ForeignRecordError, PayloadMeta, buffer_problem, decode, encode
+from raykv.payload import (
+    ForeignRecordError,
+    PayloadMeta,
+    buffer_problem,
+    decode,
+    encode,
+    read_header,
+)
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
 
@@ -39,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _SCAN_COUNT = 1000
+# A read looks at this many bytes of each value (any codec header fits) before its body.
+_HEADER_PREFIX = 4096
 _DELETE_BATCH = 512
 T = TypeVar("T")
 BACKOFF_MIN_S = 0.1
@@ -113,6 +122,8 @@ class RedisBackend:
         self.prefix = f"{config.namespace}:kv:"
         self._secret = getattr(config, "payload_secret", None)
         self._skipped = 0  # chunks refused by put (array and meta disagree)
+        self._max_keys = getattr(config, "remote_index_max_keys", None)
+        self._timeout_s = timeout_s
         # One immediate retry re-dials a connection that broke while the server restarted;
         # the caller's timeout bounds everything else.
         self._client = aioredis.from_url(
@@ -158,12 +169,40 @@ class RedisBackend:
     async def get_batch(
         self, keys: list[CacheKey]
     ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
+        """Each value's header and length first (one pipeline: GETRANGE of the first
+        `_HEADER_PREFIX` bytes and STRLEN), then the bodies of those whose header is this
+        key's and whose length is what it declares: junk under a chunk's name (however
+        large) costs a header read and is deleted, never read whole on every lookup."""
         if not keys:
             return [], []
-        values = await self._client.mget([self._name(k) for k in keys])
+        names = [self._name(k) for k in keys]
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.getrange(name, 0, _HEADER_PREFIX - 1)
+            pipe.strlen(name)
+        replies = await pipe.execute()
+        values: list[bytes | None] = [None] * len(keys)
+        bad: list[str] = []
+        fetch: list[int] = []
+        for i, key in enumerate(keys):
+            head, length = replies[2 * i], int(replies[2 * i + 1])
+            if not length:
+                continue  # no such value
+            verdict = self._verdict(key, head, length)
+            if verdict != "ok":
+                if verdict == "bad":
+                    bad.append(names[i])
+                continue
+            if length <= len(head):
+                values[i] = head  # a small record: already read whole
+            else:
+                fetch.append(i)
+        if fetch:
+            bodies = await self._client.mget([names[i] for i in fetch])
+            for i, value in zip(fetch, bodies, strict=True):
+                values[i] = value
         metas: list[PayloadMeta | None] = []
         arrays: list[np.ndarray] = []
-        bad: list[str] = []
         for key, value in zip(keys, values, strict=True):
             decoded = None
             if value is not None:
@@ -180,6 +219,28 @@ class RedisBackend:
             await self._client.unlink(*bad)
         return metas, arrays
 
+    def _verdict(self, key: CacheKey, head: bytes, length: int) -> str:
+        """What a value whose first bytes are `head` and whose length is `length` is:
+        "ok" (maybe `key`'s record: its body is worth reading), "foreign" (another
+        secret's well-formed record: a miss left in place) or "bad" (junk to delete)."""
+        try:
+            header = read_header(head, secret=self._secret)
+        except ForeignRecordError:
+            return "foreign"
+        except PayloadError as exc:
+            logger.warning("redis tier: deleting a value of %s with a bad header: %s", key, exc)
+            return "bad"
+        if header.key != key.to_string() or header.header_len + header.nbytes != length:
+            logger.warning(
+                "redis tier: deleting a value of %s: %d bytes under a header for %r of %d",
+                key,
+                length,
+                header.key[:80],
+                header.header_len + header.nbytes,
+            )
+            return "bad"
+        return "ok"
+
     async def contains(self, keys: list[CacheKey]) -> list[bool]:
         if not keys:
             return []
@@ -193,16 +254,31 @@ class RedisBackend:
             return 0
         return int(await self._client.unlink(*[self._name(k) for k in keys]))
 
-    async def _names(self) -> list[bytes]:
-        return [
-            name
-            async for name in self._client.scan_iter(match=self.prefix + "*", count=_SCAN_COUNT)
-        ]
+    async def _names(self, limit: int | None = None, seconds: float | None = None) -> list[bytes]:
+        """This namespace's value names, by SCAN: at most `limit`, and what was found by
+        `seconds` from now (checked between SCAN calls, each bounded by the socket
+        time-out: a cancellation from outside can get lost inside redis-py)."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        names: list[bytes] = []
+        cursor = 0
+        while True:
+            cursor, batch = await self._client.scan(
+                cursor, match=self.prefix + "*", count=_SCAN_COUNT
+            )
+            names.extend(batch)
+            if not cursor or (limit is not None and len(names) >= limit):
+                return names[:limit]
+            if deadline is not None and time.monotonic() >= deadline:
+                logger.info("redis tier: listing stopped at %d names (time limit)", len(names))
+                return names
 
     async def keys(self) -> list[CacheKey]:
+        """This namespace's keys for an index resync: at most `remote_index_max_keys`,
+        listed within about half the time-out (a partial listing costs only index hits:
+        lookups still ask the server for keys the index does not know)."""
         out = []
         start = len(self.prefix)
-        for name in await self._names():
+        for name in await self._names(self._max_keys, self._timeout_s / 2):
             try:
                 out.append(CacheKey.from_string(name[start:].decode("utf-8")))
             except (InvalidInputError, UnicodeDecodeError):
@@ -219,7 +295,9 @@ class RedisBackend:
         return {
             "backend": "redis",
             "url": self.masked_url,
-            "entries": len(await self._names()),
+            # DBSIZE, not a SCAN of the namespace: O(1) however many keys the server holds
+            # (it counts every namespace's values in this Redis database).
+            "entries": int(await self._client.dbsize()),
             "server_used_memory": info.get("used_memory"),
             "server_maxmemory": info.get("maxmemory"),
             "skipped": self._skipped,

@@ -273,3 +273,63 @@ def test_a_remote_store_never_shows_the_password_in_repr_stats_or_logs(caplog) -
         stats = asyncio.run(run())
     assert "s3cret" not in repr(s) and "s3cret" not in repr(stats)
     assert "***" in stats["url"] and "***" in caplog.text and "s3cret" not in caplog.text
+
+
+# ----- a real redis-server with many keys, or junk under a chunk's name -----
+
+
+def _real_store(url: str, **settings: Any) -> RemoteStore:
+    return RemoteStore(RayKVConfig(remote_url=url, namespace="big", **settings), timeout_s=0.05)
+
+
+def test_stats_and_keys_stay_bounded_with_many_keys_on_the_server(redis_server) -> None:
+    """200k values: stats counts with DBSIZE (no SCAN), and a resync's listing stops at
+    `remote_index_max_keys` and within the time-out (both once took 1-5 s here)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        for start in range(0, 200_000, 20_000):
+            pipe = client.pipeline(transaction=False)
+            for i in range(start, start + 20_000):
+                pipe.set(f"big:kv:junk-{i}", b"x")
+            pipe.execute()
+    finally:
+        client.close()
+    store = _real_store(redis_server.url, remote_index_max_keys=5000)
+
+    async def scenario() -> tuple[float, Any, float, Any]:
+        t0 = time.monotonic()
+        stats = await store.stats()
+        t1 = time.monotonic()
+        listed = await store._backend._names(5000, 0.025)
+        t2 = time.monotonic()
+        await store.close()
+        return t1 - t0, stats, t2 - t1, listed
+
+    stats_s, stats, keys_s, listed = asyncio.run(scenario())
+    assert stats["healthy"] and stats_s < 0.2
+    assert len(listed) <= 5000 + 1000 and keys_s < 0.2  # one SCAN batch past the cap at most
+
+
+def test_a_huge_junk_value_under_a_chunks_name_is_deleted_after_its_header(redis_server) -> None:
+    import redis
+
+    store = _real_store(redis_server.url)
+    name = store._backend._name(key(1))
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.set(name, b"\x00" * (64 << 20))  # 64 MiB that is no record
+
+        async def scenario() -> tuple[float, Any]:
+            t0 = time.monotonic()
+            metas, _ = await store.get_batch([key(1)])
+            elapsed = time.monotonic() - t0
+            await store.close()
+            return elapsed, metas
+
+        elapsed, metas = asyncio.run(scenario())
+        assert metas == [None] and not client.exists(name)  # a miss, and gone
+        assert elapsed < 0.05  # only its header was read (a time-out would also say miss)
+    finally:
+        client.close()
