@@ -734,13 +734,39 @@ class PageConnector:
             raise InvalidInputError(f"out must be a flat uint8 array of {meta.nbytes} bytes")
         else:
             buf = out
-        host = torch.from_numpy(buf).view(self.dtype).reshape(meta.shape)
+        self._gather(idx, torch.from_numpy(buf).view(self.dtype).reshape(meta.shape))
+        return buf, meta
+
+    def save_chunks(
+        self, block_ids: Sequence[int], sizes: Sequence[int], outs: Sequence[np.ndarray]
+    ) -> list[PayloadMeta]:
+        """`save` of consecutive runs of `block_ids` (`sizes[i]` blocks each) into `outs`:
+        the ids are checked and turned into a tensor once for the lot (a step's save of
+        many chunks pays that per step, not per chunk)."""
+        idx = self._index(block_ids)
+        if sum(sizes) != len(idx) or len(sizes) != len(outs):
+            raise InvalidInputError(
+                f"sizes {list(sizes)} must split the {len(idx)} block ids, one out per size"
+            )
+        metas, at = [], 0
+        for n, out in zip(sizes, outs, strict=True):
+            meta = self.meta(n)
+            if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes != meta.nbytes:
+                raise InvalidInputError(f"out must be a flat uint8 array of {meta.nbytes} bytes")
+            self._gather(
+                idx[at : at + n], torch.from_numpy(out).view(self.dtype).reshape(meta.shape)
+            )
+            metas.append(meta)
+            at += n
+        return metas
+
+    def _gather(self, idx: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy blocks `idx` of every layer into `host` ([num_layers, len(idx), *block])."""
         if self.device.type == "cpu":
             for i, layer in enumerate(self.layers):
                 torch.index_select(layer, 0, idx, out=host[i])
         else:
             host.copy_(torch.stack([layer.index_select(0, idx) for layer in self.layers]))
-        return buf, meta
 
     def load(self, buf: Any, meta: PayloadMeta, block_ids: Sequence[int], first: int = 0) -> None:
         """Copy payload blocks `first, first + 1, ...` into `block_ids` of every layer."""

@@ -750,16 +750,14 @@ class RayKVConnector(KVConnectorBase_V1):
             self._pending_bytes += nbytes
             buffers = [self._buffers.take(n) for n in sizes]
         try:
-            copies = [
-                self._pages.save(spec.block_ids[s.start // bs : s.end // bs], out=buf)
-                for s, buf in zip(spans, buffers, strict=True)
-            ]
+            blocks = spec.block_ids[spans[0].start // bs : spans[-1].end // bs]
+            sizes = [(s.end - s.start) // bs for s in spans]
+            metas = self._pages.save_chunks(blocks, sizes, buffers)
         except (InvalidInputError, RuntimeError) as exc:
             logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
             self._done_with(buffers, nbytes)
             return 0
         self.saved_chunks += len(spans)
-        metas = [m for _, m in copies]
         self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix)
         return nbytes
 

@@ -358,3 +358,19 @@ def test_save_into_a_given_buffer_writes_the_same_bytes_there():
     for bad in (np.zeros(meta.nbytes - 1, np.uint8), np.zeros(meta.nbytes // 4, np.float32)):
         with pytest.raises(InvalidInputError, match="flat uint8"):
             conn.save([1, 2, 6], out=bad)
+
+
+def test_save_chunks_writes_each_run_of_blocks_as_save_does():
+    cache = make_cache(torch.float32, seed=9)
+    conn = PageConnector(cache)
+    ids, sizes = [6, 1, 2, 5, 0], [2, 1, 2]
+    outs = [np.empty(conn.meta(n).nbytes, np.uint8) for n in sizes]
+    metas = conn.save_chunks(ids, sizes, outs)
+    runs = [[6, 1], [2], [5, 0]]
+    for run, out, meta in zip(runs, outs, metas, strict=True):
+        ref, ref_meta = conn.save(run)
+        assert meta == ref_meta and np.array_equal(out, ref)
+    with pytest.raises(InvalidInputError, match="must split"):
+        conn.save_chunks(ids, [2, 2], outs[:2])
+    with pytest.raises(InvalidInputError, match="flat uint8"):
+        conn.save_chunks(ids, sizes, [outs[1], outs[1], outs[2]])
