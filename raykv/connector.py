@@ -5,8 +5,10 @@ num_kv_heads * head_dim]`, in host memory (see `raykv.payload`). The engine keep
 its KV in per-layer buffers, in one of three layouts:
 
 - ``paged``: `[2, num_blocks, block_size, num_kv_heads, head_dim]` per layer (the
-  vLLM/flash-attention layout), addressed by a slot mapping: token i of the request
-  lives in slot `slot_mapping[i] = block_id * block_size + offset`.
+  classic flash-attention paged layout, as in the demo GPU worker), addressed by a slot
+  mapping: token i of the request lives in slot `slot_mapping[i] = block_id *
+  block_size + offset`. vLLM (>= 0.26) keeps other per-backend layouts; its connector
+  uses `PageConnector`, which copies whole blocks whatever is inside them.
 - ``contiguous``: `[2, capacity, num_kv_heads, head_dim]` per layer; token i lives in
   row i (or in row `slot_mapping[i]` when a slot mapping is given).
 - ``hf``: a `(keys, values)` pair per layer, each `[1, num_kv_heads, seq_len, head_dim]`
@@ -249,6 +251,7 @@ class GPUConnector:
         self, buffers: list[Any], plan: _Plan, blocks: list[torch.Tensor]
     ) -> Iterator[int]:
         self._acquire()
+        started = False
         try:
             stream = self._store_stream
             self._record_index(plan, stream)
@@ -258,6 +261,7 @@ class GPUConnector:
                 yield layer
                 if plan.num_tokens == 0:
                     continue
+                started = True
                 # Layer `layer`'s KV was written by compute queued on the current stream.
                 stream.wait_event(self._current_stream().record_event())
                 with self._on(stream):
@@ -276,6 +280,11 @@ class GPUConnector:
             if pending is not None:
                 self._fill_blocks(blocks, plan, *pending)
         finally:
+            # Stopped early (or failed), gathers and copies may still read the buffers
+            # on the store stream: order the current stream after them, so the caller's
+            # next writes to (or frees of) those buffers wait for the reads.
+            if plan.num_tokens and started:
+                self._current_stream().wait_event(self._store_stream.record_event())
             self._busy = False
 
     def _fill_blocks(
@@ -360,6 +369,7 @@ class GPUConnector:
         self, buffers: list[Any], plan: _Plan, ordered: list[torch.Tensor]
     ) -> Iterator[int]:
         self._acquire()
+        events: list[Any] = []
         try:
             if plan.num_tokens == 0:
                 yield from range(self.num_layers)
@@ -369,13 +379,18 @@ class GPUConnector:
             stream.wait_event(self._current_stream().record_event())
             self._record_index(plan, stream)
             pinned = self._pinned_buffers("load", plan.num_tokens)
-            events = [self._load_layer(0, buffers, plan, ordered, pinned)]
+            events.append(self._load_layer(0, buffers, plan, ordered, pinned))
             for layer in range(self.num_layers):
                 if layer + 1 < self.num_layers:
                     events.append(self._load_layer(layer + 1, buffers, plan, ordered, pinned))
                 self._current_stream().wait_event(events[layer])
                 yield layer
         finally:
+            # Stopped early (or failed), layer i+1's copy may still run on the load
+            # stream: order the current stream after every queued layer, so nothing the
+            # caller queues next (a recompute of these slots) races with it.
+            for event in events:
+                self._current_stream().wait_event(event)
             self._busy = False
 
     def _load_layer(

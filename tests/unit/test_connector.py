@@ -374,3 +374,66 @@ def test_cuda_pinned_staging_is_allocated_once_and_reused() -> None:
         conn.from_payloads(payloads, bufs, [0, 16, 32], slots)
     assert pinned == {d: [b.data_ptr() for b in conn._pinned[d]] for d in ("load", "store")}
     conn.synchronize()
+
+
+class _RecordingStream:
+    """The current stream, recording what it is told to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+    def record_event(self, event: object = None) -> object:
+        return object()
+
+
+def test_an_abandoned_layerwise_load_orders_the_current_stream_after_every_queued_layer(
+    monkeypatch,
+) -> None:
+    """Stopped after layer 0, layer 1's copy is already queued on the load stream: the
+    current stream must wait for it, or a recompute there races with its writes."""
+    conn = make("contiguous")
+    payloads = conn.to_payloads(filled(conn, 64), SPANS)
+    queued: list[object] = []
+    real = conn._load_layer
+
+    def load_layer(*args: object) -> object:
+        real(*args)
+        queued.append(object())  # a distinct event per layer (CPU's are one no-op)
+        return queued[-1]
+
+    monkeypatch.setattr(conn, "_load_layer", load_layer)
+    current = _RecordingStream()
+    monkeypatch.setattr(conn, "_current_stream", lambda: current)
+    steps = conn.from_payloads_layerwise(payloads, conn.allocate_buffers(64), [a for a, _ in SPANS])
+    assert next(steps) == 0
+    steps.close()
+    assert len(queued) == 2  # layers 0 and 1
+    assert all(any(w is e for w in current.waited) for e in queued)
+
+
+def test_an_abandoned_layerwise_store_orders_the_current_stream_after_its_reads(
+    monkeypatch,
+) -> None:
+    conn = make("contiguous")
+    store_events: list[object] = []
+    real_stream = conn._store_stream
+
+    class _Store:
+        def wait_event(self, event: object) -> None:
+            real_stream.wait_event(event)
+
+        def record_event(self, event: object = None) -> object:
+            store_events.append(object())
+            return store_events[-1]
+
+    monkeypatch.setattr(conn, "_store_stream", _Store())
+    current = _RecordingStream()
+    monkeypatch.setattr(conn, "_current_stream", lambda: current)
+    _, steps = conn.to_payloads_layerwise(filled(conn, 64), SPANS)
+    next(steps)
+    next(steps)  # layer 0's gather was queued
+    steps.close()
+    assert store_events and current.waited[-1] is store_events[-1]
