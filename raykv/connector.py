@@ -775,6 +775,15 @@ class PageConnector:
             at += n
         return metas
 
+    @staticmethod
+    def _rows_view(layer: torch.Tensor) -> np.ndarray | None:
+        """`layer` as a writable numpy view `[num_blocks, block bytes]`, or None where
+        its strides allow no such view (a block's bytes are not contiguous)."""
+        try:
+            return layer.view(torch.uint8).numpy().reshape(layer.shape[0], -1, copy=False)
+        except (RuntimeError, ValueError, TypeError):
+            return None
+
     def _gather(self, idx: torch.Tensor, host: torch.Tensor) -> None:
         """Copy blocks `idx` of every layer into `host` ([num_layers, len(idx), *block])."""
         if self.device.type == "cpu":
@@ -800,6 +809,15 @@ class PageConnector:
                 f"payload blocks {first}..{first + len(idx)} out of range: it has {meta.shape[1]}"
             )
         src = buffer_to_tensor(buf, meta)[:, first : first + len(idx)]
+        if self.device.type == "cpu" and all(self._rows_view(t) is not None for t in self.layers):
+            # numpy's copy runs on the calling thread alone: a loader thread copying
+            # beside the forward pass starts no second OpenMP team to fight it.
+            rows = idx.numpy()
+            for i, layer in enumerate(self.layers):
+                self._rows_view(layer)[rows] = (
+                    src[i].contiguous().view(torch.uint8).numpy().reshape(len(rows), -1)
+                )
+            return
         if self.device.type != "cpu":
             src = src.to(self.device)
         for i, layer in enumerate(self.layers):

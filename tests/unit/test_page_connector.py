@@ -374,3 +374,31 @@ def test_save_chunks_writes_each_run_of_blocks_as_save_does():
         conn.save_chunks(ids, [2, 2], outs[:2])
     with pytest.raises(InvalidInputError, match="flat uint8"):
         conn.save_chunks(ids, sizes, [outs[1], outs[1], outs[2]])
+
+
+@pytest.mark.parametrize("kind", ["block-strided", "inner-strided"])
+def test_load_into_strided_layer_views_writes_exactly_the_blocks(kind: str) -> None:
+    """vLLM hands per-layer views of bigger tensors: a block-strided view is written
+    through numpy in place; one whose block bytes are not contiguous falls back to
+    torch. Either way exactly the named blocks change, bit for bit."""
+    src = PageConnector(make_cache(torch.bfloat16, seed=10))
+    buf, meta = src.save([1, 4, 7])
+    if kind == "block-strided":  # [num_blocks, 2, *BLOCK] viewed one half per layer
+        bases = [
+            random_bits((NUM_BLOCKS, 2, *BLOCK), torch.bfloat16, 40 + i) for i in range(NUM_LAYERS)
+        ]
+        layers = [b[:, 1] for b in bases]
+    else:  # the block's last dim strided
+        bases = [
+            random_bits((NUM_BLOCKS, *BLOCK[:-1], 2 * BLOCK[-1]), torch.bfloat16, 50 + i)
+            for i in range(NUM_LAYERS)
+        ]
+        layers = [b[..., ::2] for b in bases]
+    before = [layer.clone() for layer in layers]
+    dst = PageConnector(layers)
+    assert (dst._rows_view(layers[0]) is None) == (kind == "inner-strided")
+    dst.load(buf, meta, [0, 5, 6])
+    for layer, old, ref in zip(layers, before, src.layers, strict=True):
+        assert same_bits(layer[[0, 5, 6]], ref[[1, 4, 7]])
+        keep = [b for b in range(NUM_BLOCKS) if b not in (0, 5, 6)]
+        assert same_bits(layer[keep], old[keep])
