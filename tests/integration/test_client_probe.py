@@ -179,7 +179,13 @@ class FakeServer:
 
 
 @pytest.mark.parametrize("delay, answer", [(3.0, [True]), (0.0, "not a list"), (0.0, [True] * 5)])
-def test_a_late_or_malformed_server_answer_is_no_answer_and_backs_the_probe_off(delay, answer):
+def test_a_late_or_malformed_server_answer_is_no_answer_and_backs_the_probe_off(
+    delay, answer, monkeypatch
+):
+    import raykv.actors.common
+
+    # FakeServer stands in for a misbehaving KVServer: let it past the class check.
+    monkeypatch.setattr(raykv.actors.common, "check_actor_class", lambda handle, *a: handle)
     ns = f"t-fake-{uuid.uuid4().hex[:8]}"
     server = FakeServer.options(name="fake", namespace=ns).remote(delay, answer)
     try:
@@ -190,6 +196,17 @@ def test_a_late_or_malformed_server_answer_is_no_answer_and_backs_the_probe_off(
         assert probe.failed == 1 and probe.send(b"keys") is None  # backing off
     finally:
         ray.kill(server)
+
+
+def test_an_actor_of_another_class_under_the_server_name_is_never_probed():
+    ns = f"t-fake-{uuid.uuid4().hex[:8]}"
+    squatter = FakeServer.options(name="fake", namespace=ns).remote(0.0, [True])
+    try:
+        probe = ServerProbe("fake", ns)
+        assert probe.send(b"keys") is None  # refused: the lookup asks the manager
+        assert probe.failed == 1 and probe.sent == 0
+    finally:
+        ray.kill(squatter)
 
 
 def test_a_missing_server_is_no_probe_and_backs_off():
