@@ -384,24 +384,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         )
     for source in ("cpu", "disk", "redis"):
         a, s = per.get(f"{source}-async"), per.get(f"{source}-sync")
-        if a and base:
-            summary.row(
-                f"{args.length}: ITL p99, {source} async load",
-                med(a["p99"]) * 1e3,
-                "ms",
-                "vLLM prefix-cache hit",
-                med(base["p99"]) * 1e3,
-                value_range=(min(a["p99"]) * 1e3, max(a["p99"]) * 1e3),
-            )
-        if s and base:
-            summary.row(
-                f"{args.length}: ITL p99, {source} sync load",
-                med(s["p99"]) * 1e3,
-                "ms",
-                "vLLM prefix-cache hit",
-                med(base["p99"]) * 1e3,
-                value_range=(min(s["p99"]) * 1e3, max(s["p99"]) * 1e3),
-            )
+        for mode, m in (("async", a), ("sync", s)):
+            if m and base:
+                summary.row(
+                    f"{args.length}: ITL p99, {source} {mode} load",
+                    med(m["p99"]) * 1e3,
+                    "ms",
+                    "vLLM prefix-cache hit",
+                    med(base["p99"]) * 1e3,
+                    value_range=(min(m["p99"]) * 1e3, max(m["p99"]) * 1e3),
+                )
         if a and s:
             summary.row(
                 f"{args.length}: TTFT, {source} async load",
