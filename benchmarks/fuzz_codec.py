@@ -306,6 +306,9 @@ class _FakePipeline:
     def __init__(self, redis: _FakeRedis) -> None:
         self._redis, self._replies = redis, []
 
+    def exists(self, name: str) -> None:
+        self._replies.append(int(self._redis.value is not None))
+
     def getrange(self, name: str, start: int, end: int) -> None:
         value = self._redis.value
         self._replies.append(b"" if value is None else value[start : end + 1])

@@ -169,8 +169,8 @@ class RedisBackend:
     async def get_batch(
         self, keys: list[CacheKey]
     ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
-        """Each value's header and length first (one pipeline: GETRANGE of the first
-        `_HEADER_PREFIX` bytes and STRLEN), then the bodies of those whose header is this
+        """Each value's header and length first (one pipeline: EXISTS, GETRANGE of the
+        first `_HEADER_PREFIX` bytes and STRLEN), then the bodies of those whose header is this
         key's and whose length is what it declares: junk under a chunk's name (however
         large) costs a header read and is deleted, never read whole on every lookup."""
         if not keys:
@@ -178,6 +178,7 @@ class RedisBackend:
         names = [self._name(k) for k in keys]
         pipe = self._client.pipeline(transaction=False)
         for name in names:
+            pipe.exists(name)
             pipe.getrange(name, 0, _HEADER_PREFIX - 1)
             pipe.strlen(name)
         replies = await pipe.execute()
@@ -185,8 +186,8 @@ class RedisBackend:
         bad: list[str] = []
         fetch: list[int] = []
         for i, key in enumerate(keys):
-            head, length = replies[2 * i], int(replies[2 * i + 1])
-            if not length:
+            exists, head, length = replies[3 * i], replies[3 * i + 1], int(replies[3 * i + 2])
+            if not exists:
                 continue  # no such value
             verdict = self._verdict(key, head, length)
             if verdict != "ok":

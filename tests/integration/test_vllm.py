@@ -329,8 +329,10 @@ def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
     outs = vt.run(llm, [PROMPTS["long"], PROMPTS["long"]])
     assert sched.async_loads - loads == 1
     assert sched.waits_for_load > waits
-    assert outs[0]["cached"] == 4 * vt.CHUNK
-    assert outs[1]["cached"] >= 4 * vt.CHUNK  # and the tail block the first one computed
+    # Whichever was admitted first loaded the chunks; the other found them (and the
+    # tail block the first one computed) in vLLM's own cache.
+    cached = sorted(out["cached"] for out in outs)
+    assert cached[0] == 4 * vt.CHUNK and cached[1] >= 4 * vt.CHUNK
     for out in outs:
         vt.assert_same_output(out, reference["long"])
     wait_unpinned(kv)
