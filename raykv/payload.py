@@ -409,6 +409,26 @@ def read_header(
     return Header(meta, key, serde, nbytes, checksum, header_len, secret is not None)
 
 
+# Bytes that hold any record's header (fixed part, 8 dims, a 1 KiB key, checksums): a
+# store reads this much of a value before deciding to read its body.
+HEADER_PREFIX_BYTES = 4096
+
+
+def check_head(
+    head: Any, size: int, max_nbytes: int = MAX_PAYLOAD_BYTES, *, secret: Secret | None = None
+) -> Header:
+    """The header of a stored record of `size` bytes whose first bytes are `head` (at
+    least `HEADER_PREFIX_BYTES`, or all of it): a `PayloadError` unless it parses and
+    declares exactly `size` bytes, so a store reads no body of junk, however large.
+    `ForeignRecordError` (a `PayloadError`) for another secret's well-formed record."""
+    header = read_header(head, max_nbytes, secret=secret)
+    if header.header_len + header.nbytes != size:
+        raise PayloadError(
+            f"record has {size} bytes, its header declares {header.header_len} + {header.nbytes}"
+        )
+    return header
+
+
 class Decoded(NamedTuple):
     data: np.ndarray  # flat uint8, a view of the input where possible
     meta: PayloadMeta

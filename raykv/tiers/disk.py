@@ -41,9 +41,11 @@ from raykv import metrics
 from raykv.errors import ConfigError, InvalidInputError, PayloadError
 from raykv.keys import CacheKey, KeyIdentity
 from raykv.payload import (
+    HEADER_PREFIX_BYTES,
     LAYOUT_KV_2LTD,
     MAX_PAYLOAD_BYTES,
     PayloadMeta,
+    check_head,
     decode,
     encode_parts,
     read_header,
@@ -130,10 +132,6 @@ def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
         os.close(fd)
 
 
-# Enough bytes for any codec header (fixed part, 8 dims, a 1 KiB key, checksum).
-_HEADER_PREFIX = 4096
-
-
 def check_owner(path: str) -> None:
     """Raise `ConfigError` if `path` exists and another user owns it (see `_private_dir`)."""
     try:
@@ -205,7 +203,7 @@ def _read_file(
     Nothing is allocated for the body before the header is read and checked: a file
     whose size is not `expected_size` (the size the index recorded), whose header does
     not parse, declares more than `max_nbytes`, or does not match the file's size is
-    refused after reading at most `_HEADER_PREFIX` bytes (a planted huge file must not
+    refused after reading at most `HEADER_PREFIX_BYTES` bytes (a planted huge file must not
     be read into memory). With `secret`, a plain (unkeyed) record is refused at the header,
     and one without a secret refuses a keyed record (`decode` then checks the tag).
     """
@@ -213,12 +211,8 @@ def _read_file(
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
-        head = f.read(min(size, _HEADER_PREFIX))
-        header = read_header(head, max_nbytes, secret=secret)
-        if header.header_len + header.nbytes != size:
-            raise PayloadError(
-                f"file has {size} bytes, its header declares {header.header_len} + {header.nbytes}"
-            )
+        head = f.read(min(size, HEADER_PREFIX_BYTES))
+        check_head(head, size, max_nbytes, secret=secret)
         buf = np.empty(size, dtype=np.uint8)
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         view = memoryview(buf)

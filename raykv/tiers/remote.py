@@ -32,12 +32,13 @@ from raykv.config import mask_url, url_secrets
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import (
+    HEADER_PREFIX_BYTES,
     ForeignRecordError,
     PayloadMeta,
     buffer_problem,
+    check_head,
     decode,
     encode,
-    read_header,
 )
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
@@ -46,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _SCAN_COUNT = 1000
-# A read looks at this many bytes of each value (any codec header fits) before its body.
-_HEADER_PREFIX = 4096
 _DELETE_BATCH = 512
 T = TypeVar("T")
 BACKOFF_MIN_S = 0.1
@@ -170,7 +169,7 @@ class RedisBackend:
         self, keys: list[CacheKey]
     ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
         """Each value's header and length first (one pipeline: EXISTS, GETRANGE of the
-        first `_HEADER_PREFIX` bytes and STRLEN), then the bodies of those whose header is this
+        first `HEADER_PREFIX_BYTES` and STRLEN), then the bodies of those whose header is this
         key's and whose length is what it declares: junk under a chunk's name (however
         large) costs a header read and is deleted, never read whole on every lookup."""
         if not keys:
@@ -179,7 +178,7 @@ class RedisBackend:
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             pipe.exists(name)
-            pipe.getrange(name, 0, _HEADER_PREFIX - 1)
+            pipe.getrange(name, 0, HEADER_PREFIX_BYTES - 1)
             pipe.strlen(name)
         replies = await pipe.execute()
         values: list[bytes | None] = [None] * len(keys)
@@ -225,19 +224,15 @@ class RedisBackend:
         "ok" (maybe `key`'s record: its body is worth reading), "foreign" (another
         secret's well-formed record: a miss left in place) or "bad" (junk to delete)."""
         try:
-            header = read_header(head, secret=self._secret)
+            header = check_head(head, length, secret=self._secret)
         except ForeignRecordError:
             return "foreign"
         except PayloadError as exc:
-            logger.warning("redis tier: deleting a value of %s with a bad header: %s", key, exc)
+            logger.warning("redis tier: deleting a value of %s: %s", key, exc)
             return "bad"
-        if header.key != key.to_string() or header.header_len + header.nbytes != length:
+        if header.key != key.to_string():
             logger.warning(
-                "redis tier: deleting a value of %s: %d bytes under a header for %r of %d",
-                key,
-                length,
-                header.key[:80],
-                header.header_len + header.nbytes,
+                "redis tier: deleting a value of %s: a record of %r", key, header.key[:80]
             )
             return "bad"
         return "ok"
