@@ -232,4 +232,29 @@ class Stager:
         }
 
 
-__all__ = ["SerialWorker", "Stager", "StagingRing", "copy_buffers"]
+class BufferPool:
+    """Flat uint8 buffers kept for reuse, by size, up to `capacity` bytes in all: a copy
+    into a buffer that was written before costs a memcpy, one into fresh memory also
+    pays its page faults (about as much again). Not thread-safe: the caller locks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of `nbytes`: a kept one if any, else a new one."""
+        kept = self._free.get(nbytes)
+        if kept:
+            self.held -= nbytes
+            return kept.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keep `buf` for a later `take` (dropped when the pool is full)."""
+        if self.held + buf.nbytes <= self.capacity:
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self.held += buf.nbytes
+
+
+__all__ = ["BufferPool", "SerialWorker", "Stager", "StagingRing", "copy_buffers"]

