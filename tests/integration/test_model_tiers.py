@@ -209,6 +209,17 @@ def test_warm_path_from_remote_only_equals_cold_prefill(served: Served, kind: st
     assert_same_as_cold(out, served.cold_logits, served.cold_gen)
 
 
+def test_wait_sources_names_the_tier_a_prefetch_found_the_prefix_in(served: Served) -> None:
+    """`wait_sources` (the vLLM connector's hit sources): where the prefetch found the
+    prefix, before it promoted it into CPU."""
+    worker, n = served.workers["redis"], served.case.prefix_len
+    remove(worker, served.prompts.a, ["cpu", "disk"])
+    for where in ("remote", "cpu"):  # the first prefetch promoted it into CPU
+        lookup_id = worker.kv.prefetch(served.prompts.a)
+        assert worker.kv.wait_sources(lookup_id, timeout=10) == (n, [(where, n)])
+        worker.kv.unpin(lookup_id)
+
+
 def test_gpu_worker_actor_warm_path_from_cpu_equals_its_cold_path(namespaces: Namespaces) -> None:
     """The same through the `GPUWorker` actor; cold and warm both run in the actor, so
     they use the same torch threads (a thread count can change fp32 sums' rounding)."""

@@ -38,6 +38,7 @@ PROMPTS = {
     "short": vt.prompt(6, vt.CHUNK - 20),  # shorter than one chunk
     "shared": vt.prompt(7, 5 * vt.CHUNK + 3),  # the two-process test
     "tenant": vt.prompt(8, 4 * vt.CHUNK + 9),  # the cache_salt test
+    "sources": vt.prompt(9, 3 * vt.CHUNK + 5),  # the hit-sources test
 }
 
 
@@ -275,6 +276,29 @@ def test_another_cache_salt_is_a_miss_and_the_same_salt_a_hit(engine, reference)
     assert same["cached"] == 4 * vt.CHUNK
     for out in (other, unsalted, same):
         vt.assert_same_output(out, reference["tenant"])
+    wait_unpinned(kv)
+
+
+def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, monkeypatch):
+    """What the scheduler would report to vLLM's `prompt_tokens_cached_by_source` for a
+    real hit (asked right after `update_state_after_alloc`, as vLLM's scheduler does when
+    its stats are on): every loaded token under "host" (raykv's CPU tier)."""
+    llm, _, kv = engine
+    sched = scheduler_connector(llm)
+    told: list[dict[str, int]] = []
+    real = sched.update_state_after_alloc
+
+    def spy(request: Any, blocks: Any, n: int) -> None:
+        real(request, blocks, n)
+        if n > 0:
+            split = sched.get_external_cache_hit_sources(request, n)
+            told.append({source.value: k for source, k in split.items()})
+
+    monkeypatch.setattr(sched, "update_state_after_alloc", spy)
+    cold, warm = cold_then_warm(engine, "sources")
+    assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, reference["sources"])
+    assert told == [{"host": 3 * vt.CHUNK}]
     wait_unpinned(kv)
 
 

@@ -136,3 +136,26 @@ def test_another_process_hashes_a_salted_request_alike():
     assert out.stdout.strip().splitlines()[-1] == str(
         [k.chunk_hash for k in keys(request(cache_salt="s"))]
     )
+
+
+def test_hit_sources_split_the_loaded_tokens_by_the_tier_raykv_found_them_in():
+    """vLLM's `prompt_tokens_cached_by_source` gets raykv's split: the external tokens
+    [local, local + n) are attributed to the runs of the lookup's plan they overlap."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
+
+    from raykv.integrations.vllm import RayKVConnector, _Request
+
+    conn = object.__new__(RayKVConnector)  # the split needs only the request's state
+    state = _Request(request(), "lookup", 0, local=64, hit=4 * CHUNK)
+    state.sources = [("cpu", 128), ("disk", 192), ("remote", 256)]
+    conn._requests = {"r": state}
+    assert conn.get_external_cache_hit_sources(request(), 192) == {
+        S.HOST: 64,
+        S.DISK: 64,
+        S.EXTERNAL_UNSPECIFIED: 64,
+    }
+    assert conn.get_external_cache_hit_sources(request(), 64) == {S.HOST: 64}
+    state.sources = [("peer", 256)]
+    assert conn.get_external_cache_hit_sources(request(), 96) == {S.P2P: 96}
+    state.sources = []  # a plan that does not cover the tokens is never guessed
+    assert conn.get_external_cache_hit_sources(request(), 32) == {S.EXTERNAL_UNSPECIFIED: 32}
