@@ -78,6 +78,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("datapath", "benchmarks.bench_datapath", 300, 900),
     Spec("vllm", "benchmarks.bench_vllm", 900, 2400),
     Spec("isolation", "benchmarks.bench_isolation", 900, 3000),
+    Spec("serving", "benchmarks.bench_serving", 300, 7200),
 )
 
 

@@ -59,13 +59,13 @@ except ImportError as exc:  # an install hint, not a traceback
     raise ImportError('raykv.serve needs Ray Serve: pip install "raykv[serve]"') from exc
 
 from raykv.config import RayKVConfig
-from raykv.errors import InvalidInputError
+from raykv.errors import ConfigError, InvalidInputError
 from raykv.keys import KeyMaker, leading
 from raykv.tiers.budget import BoundedKeySet
 
 logger = logging.getLogger(__name__)
 
-RouterName = Literal["cache_aware", "pow2", "random"]
+RouterName = Literal["cache_aware", "prefix_affinity", "pow2", "random"]
 STATS_KEY = "raykv_prefixes"  # routing-stats field: the replica's recent chunk-hash ids
 DEFAULT_SUMMARY_SIZE = 4096  # chunk ids per replica summary (8 bytes each on the wire)
 
@@ -155,10 +155,11 @@ def rank_by_prefix(
     return ranks
 
 
-def request_tokens(pending: PendingRequest | None) -> Any:
+def request_tokens(pending: PendingRequest | None, tokenizer: Any = None) -> Any:
     """The prompt tokens of a request: a `KVModelServer.generate` call (first arg or
     `tokens=`), or a Ray Serve LLM (`LLMServer`) OpenAI completion request whose `prompt`
-    is token ids. None (route by load) for a text prompt: the router has no tokenizer."""
+    is token ids, or text when the router has the model's `tokenizer` (a Hugging Face
+    tokenizer, encoding as vLLM's completions endpoint does). None: route by load."""
     if pending is None:
         return None
     arg = pending.args[0] if pending.args else pending.kwargs.get("tokens")
@@ -167,7 +168,22 @@ def request_tokens(pending: PendingRequest | None) -> Any:
         return arg
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return prompt
+    if isinstance(prompt, str) and prompt and tokenizer is not None:
+        try:
+            return list(tokenizer(prompt)["input_ids"])
+        except Exception:  # a prompt the tokenizer refuses is the replica's to reject
+            return None
     return None
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The Hugging Face tokenizer a router encodes text prompts with (the model's own)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as exc:
+        raise ConfigError(f"router tokenizer {name_or_path!r} could not be loaded: {exc}") from exc
 
 
 # ----- routers -----
@@ -198,9 +214,12 @@ class CacheAwareRouter(RequestRouter):
         use_controller: bool = False,
         controller_timeout_s: float = 0.1,
         use_summaries: bool = True,
+        tokenizer: str | None = None,
     ) -> None:
         """Called by Serve with `request_router_kwargs`: the cache's key fields (so the
-        router's chunk keys equal the replicas'), its namespace, and the routing knobs."""
+        router's chunk keys equal the replicas'), its namespace, and the routing knobs.
+        `tokenizer` (the model's, a name or path) lets it route text prompts by prefix."""
+        self._tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         self._keys = KeyMaker(
             model_name=model_name,
             world_size=world_size,
@@ -262,7 +281,7 @@ class CacheAwareRouter(RequestRouter):
         self, pending: PendingRequest | None
     ) -> tuple[list[int], dict[str, int]]:
         """The request's chunk ids and {node: prefix chunks}, computed once per request."""
-        tokens = request_tokens(pending)
+        tokens = request_tokens(pending, self._tokenizer)
         if tokens is None:
             return [], {}
         rid = pending.metadata.internal_request_id  # type: ignore[union-attr]
@@ -364,6 +383,14 @@ def router_config(
         return RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
     if router == "random":
         return RequestRouterConfig(request_router_class=RandomRouter)
+    if router == "prefix_affinity":  # Ray Serve LLM's own (text prompts only)
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        return RequestRouterConfig(
+            request_router_class=PrefixCacheAffinityRouter,
+            request_router_kwargs=dict(options or {}),
+            request_routing_stats_period_s=stats_period_s,
+        )
     if router == "cache_aware":
         known = set(inspect.signature(CacheAwareRouter.initialize_state).parameters) - {"self"}
         unknown = sorted(set(options or {}) - known)
@@ -389,7 +416,9 @@ def router_config(
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(stats_period_s, 5.0),
         )
-    raise InvalidInputError(f"router must be cache_aware, pow2 or random, got {router!r}")
+    raise InvalidInputError(
+        f"router must be cache_aware, prefix_affinity, pow2 or random, got {router!r}"
+    )
 
 
 __all__ = [
@@ -398,6 +427,7 @@ __all__ = [
     "RandomRouter",
     "chunk_ids",
     "covered_prefix",
+    "load_tokenizer",
     "rank_by_prefix",
     "request_tokens",
     "router_config",

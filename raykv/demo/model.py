@@ -72,16 +72,41 @@ def build_demo_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_demo_model(directory: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
+def save_demo_model(
+    directory: str | os.PathLike[str], seed: int = 0, *, tokenizer: bool = False, **overrides: Any
+) -> str:
     """Save a seeded random demo Llama in Hugging Face format; returns the directory.
 
     For engines that load a model from disk (vLLM): nothing is downloaded. Weights are
     drawn with `initializer_range` 0.2 (unless overridden) so the logits are peaked
-    rather than flat, and a changed KV changes the greedy tokens.
+    rather than flat, and a changed KV changes the greedy tokens. With `tokenizer`, a
+    word tokenizer is saved beside it (`save_word_tokenizer`), so text prompts work.
     """
     model = build_demo_model(seed, **{"initializer_range": 0.2, **overrides})
     model.save_pretrained(directory)
+    if tokenizer:
+        save_word_tokenizer(directory, model.config.vocab_size)
     return os.fspath(directory)
+
+
+def word_text(tokens: Sequence[int]) -> str:
+    """The text that `save_word_tokenizer`'s tokenizer encodes to exactly `tokens`."""
+    return " ".join(f"w{int(t)}" for t in tokens)
+
+
+def save_word_tokenizer(directory: str | os.PathLike[str], vocab_size: int) -> None:
+    """Save a Hugging Face tokenizer whose word `w<i>` is token id i (whitespace split, no
+    special tokens): text prompts (`word_text`) round-trip to token ids exactly, so a
+    random-weight model can be served and routed like a real one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tf = _transformers()
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0")
+    fast.save_pretrained(directory)
 
 
 def kv_geometry(model_or_config: Any) -> tuple[int, int, int]:
@@ -265,4 +290,6 @@ __all__ = [
     "kv_to_chunks",
     "prefill",
     "prefill_suffix",
+    "save_word_tokenizer",
+    "word_text",
 ]

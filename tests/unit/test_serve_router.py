@@ -115,3 +115,19 @@ def test_request_tokens_reads_demo_calls_and_serve_llm_completion_requests() -> 
     assert request_tokens(pending(SimpleNamespace(prompt="hello"))) is None
     assert request_tokens(pending(SimpleNamespace(prompt=[[1, 2], [3]]))) is None
     assert request_tokens(None) is None
+
+
+def test_a_router_with_the_models_tokenizer_routes_text_prompts_by_their_tokens(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from raykv.demo.model import save_word_tokenizer, word_text
+    from raykv.errors import ConfigError
+    from raykv.serve import load_tokenizer, request_tokens
+
+    save_word_tokenizer(tmp_path, 64)
+    tokenizer = load_tokenizer(str(tmp_path))
+    text = SimpleNamespace(args=(SimpleNamespace(prompt=word_text([3, 9, 27])),), kwargs={})
+    assert request_tokens(text, tokenizer) == [3, 9, 27]  # as vLLM's endpoint encodes it
+    assert request_tokens(text) is None  # without it: by load
+    with pytest.raises(ConfigError, match="no-such-tokenizer"):
+        load_tokenizer(str(tmp_path / "no-such-tokenizer"))

