@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from traces import TRACES, LibCacheSim
+from traces import TRACES, LibCacheSim, loop_trace, scan_trace, zipf_trace
 
 from raykv.policies import make_policy, replay
 
@@ -88,3 +88,31 @@ def test_priority_without_priorities_is_libcachesim_lru(trace: str, fraction: fl
     assert make_policy("priority", size).simulate(ids) == lib.misses("lru", size)
     if trace == "zipf1.0" and fraction == 0.01:  # the protocol path too (slower)
         assert replay(make_policy("priority", size), ids) == lib.misses("lru", size)
+
+
+# ARC's adaptation is where implementations drift (a real-valued target, the ghost
+# bounds): more shapes and cache sizes than the shared traces, both paths exact.
+ARC_TRACES = {
+    **{
+        f"zipf{a}-{s}": (lambda a=a, s=s: zipf_trace(a, seed=200 + s, n=30_000, m=8_000))
+        for a in (0.6, 0.9, 1.1)
+        for s in range(2)
+    },
+    "scan-small": lambda: scan_trace(seed=5, n=30_000),
+    "loop-small": lambda: loop_trace(seed=7, n=30_000),
+}
+
+
+@pytest.mark.parametrize("fraction", (0.005, 0.05, 0.2, 0.5))
+@pytest.mark.parametrize("trace", sorted(ARC_TRACES))
+def test_arc_is_exact_on_more_traces_and_sizes(trace: str, fraction: float) -> None:
+    ids = ARC_TRACES[trace]()
+    size = max(2, int(len(np.unique(ids)) * fraction))
+    lib = LibCacheSim(ids)
+    try:
+        want = lib.misses("arc", size)
+    finally:
+        lib.close()
+    listed = ids.tolist()
+    assert make_policy("arc", size).simulate(listed) == want
+    assert replay(make_policy("arc", size), listed) == want
