@@ -29,8 +29,6 @@ _LAZY: dict[str, str] = {
     "ConfigError": "raykv.errors",
     "PayloadError": "raykv.errors",
     "InvalidInputError": "raykv.errors",
-    "TierUnavailableError": "raykv.errors",
-    "RayKVTimeout": "raykv.errors",
 }
 
 __all__ = [
@@ -51,8 +49,6 @@ __all__ = [
     "ConfigError",
     "PayloadError",
     "InvalidInputError",
-    "TierUnavailableError",
-    "RayKVTimeout",
 ]
 
 
@@ -80,8 +76,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
         InvalidInputError,
         PayloadError,
         RayKVError,
-        RayKVTimeout,
-        TierUnavailableError,
     )
     from raykv.keys import CacheKey, ChunkSpan, KeyMaker
     from raykv.payload import PayloadMeta

@@ -24,19 +24,9 @@ class InvalidInputError(RayKVError, ValueError):
     """A caller passed arguments of the wrong kind, shape or length."""
 
 
-class TierUnavailableError(RayKVError):
-    """A storage tier cannot be reached. Raised only by explicit tier calls, never on a lookup."""
-
-
-class RayKVTimeout(RayKVError, TimeoutError):
-    """An explicit wait ran out of time."""
-
-
 __all__ = [
     "RayKVError",
     "ConfigError",
     "PayloadError",
     "InvalidInputError",
-    "TierUnavailableError",
-    "RayKVTimeout",
 ]

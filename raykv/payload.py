@@ -35,6 +35,9 @@ import xxhash
 
 from raykv.errors import PayloadError
 
+# A zero-length byte array: what a missing or empty payload reads as (one for the package).
+EMPTY = np.empty(0, dtype=np.uint8)
+
 if TYPE_CHECKING:  # torch loads only where tensors are converted: tier actors never need it
     import torch
 

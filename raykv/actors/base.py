@@ -15,10 +15,7 @@ Data flow (one actor round trip per request from the client, batched calls to ti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 # Every actor lives in the configured namespace (default "raykv") under these names.
 # Node-scoped actors (one per node) append "-<node_id[:12]>" to the name.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import ray
 
 from raykv.actors.common import actor_options, named_actor, resolve_batch
@@ -28,7 +27,6 @@ from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, unpack_keys
 
 logger = logging.getLogger(__name__)
 
-_EMPTY = np.empty(0, dtype=np.uint8)
 # Smallest share of a custom resource that places the actor without using up the resource.
 _RESOURCE_SHARE = 0.001
 

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 from ray.exceptions import ActorDiedError
 
@@ -41,7 +40,7 @@ from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan
-from raykv.payload import PayloadMeta
+from raykv.payload import EMPTY, PayloadMeta
 from raykv.tiers.index import (
     TIER_PEER,
     Lookup,
@@ -66,7 +65,6 @@ from raykv.wire import (
 
 logger = logging.getLogger(__name__)
 
-_EMPTY = np.empty(0, dtype=np.uint8)
 # `wait` on a lookup id it does not know waits this long for its prefetch to arrive.
 WAIT_FOR_PREFETCH_SECS = 1.0
 
@@ -588,9 +586,9 @@ class ManagerCore:
             values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
         except Exception as exc:  # our CPU store restarted: misses
             logger.warning("peer read of %d chunks failed: %s", len(refs), exc)
-            return [None] * len(keys), [_EMPTY] * len(keys)
+            return [None] * len(keys), [EMPTY] * len(keys)
         metas = [c.meta if c is not None else None for c in chunks]
-        arrays = [values[c.ref][c.index] if c is not None else _EMPTY for c in chunks]
+        arrays = [values[c.ref][c.index] if c is not None else EMPTY for c in chunks]
         return metas, arrays
 
     async def unpin(self, lookup_id: str) -> None:

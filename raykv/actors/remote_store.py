@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any, TypeVar
 
-import numpy as np
 import ray
 
 from raykv.actors.base import REMOTE_STORE_NAME
@@ -23,7 +22,6 @@ from raykv.wire import PackedKeys, PutAck, unpack_keys
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_EMPTY = np.empty(0, dtype=np.uint8)
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 # A put may take lookup_timeout plus this much per byte (a slow link still gets to finish).

@@ -41,6 +41,7 @@ from raykv import metrics
 from raykv.errors import ConfigError, InvalidInputError, PayloadError
 from raykv.keys import CacheKey, KeyIdentity
 from raykv.payload import (
+    EMPTY,
     HEADER_PREFIX_BYTES,
     LAYOUT_KV_2LTD,
     MAX_PAYLOAD_BYTES,
@@ -73,7 +74,6 @@ _HEADER_PROBE = 2048  # bytes read by check() to validate a header without readi
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # `put_written` reports a write still running after this long as skipped.
 WRITTEN_ACK_TIMEOUT_SECS = 120.0
-_EMPTY = np.empty(0, dtype=np.uint8)
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 
 
@@ -828,7 +828,7 @@ class DiskStore:
         """The `LowerTier.get_batch` shape: metas (None = miss) and arrays (empty = miss)."""
         found = self.get(keys)
         metas = [item[0] if item is not None else None for item in found]
-        arrays = [item[1] if item is not None else _EMPTY for item in found]
+        arrays = [item[1] if item is not None else EMPTY for item in found]
         return metas, arrays
 
     def _read(self, key: CacheKey) -> tuple[PayloadMeta, np.ndarray] | None:

@@ -115,7 +115,9 @@ class PrefixIndex:
 
     `tiers` are the enabled tiers in lookup order. `reporter` (optional) is told what
     entered and left the CPU and disk tiers (the controller's event stream). Not
-    thread-safe: the manager calls it from its event loop only.
+    thread-safe: the manager's event loop and its Ray threads call it, one at a time,
+    under the manager's one lock (the loop holds it except while it waits for I/O; a Ray
+    thread that answers a lookup takes it between two loop steps).
     """
 
     def __init__(

@@ -15,13 +15,11 @@ import numpy as np
 
 from raykv import metrics
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta, buffer_problem
+from raykv.payload import EMPTY, PayloadMeta, buffer_problem
 from raykv.tiers.budget import ByteBudgetIndex, check_put_lengths
 from raykv.wire import TIER_REMOTE, PutAck
 
 logger = logging.getLogger(__name__)
-
-_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 class KVServerState:
@@ -126,7 +124,7 @@ class KVServerState:
             self._counts["misses"] += len(keys) - hits
         loaded = iter(self._load([item[0] for item in found if item is not None]) if hits else [])
         metas = [item[1] if item is not None else None for item in found]
-        arrays = [next(loaded) if item is not None else _EMPTY for item in found]
+        arrays = [next(loaded) if item is not None else EMPTY for item in found]
         return metas, arrays
 
     def contains(self, keys: Sequence[CacheKey]) -> list[bool]:

@@ -32,6 +32,7 @@ from raykv.config import mask_url, url_secrets
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import (
+    EMPTY,
     HEADER_PREFIX_BYTES,
     ForeignRecordError,
     PayloadMeta,
@@ -45,7 +46,6 @@ from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
 
 logger = logging.getLogger(__name__)
 
-_EMPTY = np.empty(0, dtype=np.uint8)
 _SCAN_COUNT = 1000
 _DELETE_BATCH = 512
 T = TypeVar("T")
@@ -214,7 +214,7 @@ class RedisBackend:
                     logger.warning("redis tier: deleting a corrupt value of %s: %s", key, exc)
                     bad.append(self._name(key))
             metas.append(decoded.meta if decoded else None)
-            arrays.append(decoded.data if decoded else _EMPTY)
+            arrays.append(decoded.data if decoded else EMPTY)
         if bad:
             await self._client.unlink(*bad)
         return metas, arrays
@@ -519,7 +519,7 @@ class RemoteStore:
         """Metas (None = miss) and arrays (empty = miss)."""
         n = len(keys)
         metas, arrays = await self._call(
-            "get", lambda: self._backend.get_batch(list(keys)), ([None] * n, [_EMPTY] * n)
+            "get", lambda: self._backend.get_batch(list(keys)), ([None] * n, [EMPTY] * n)
         )
         hits = sum(m is not None for m in metas)
         self._counts["hits"] += hits

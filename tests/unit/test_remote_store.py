@@ -220,7 +220,7 @@ def test_half_open_backoff_lets_one_trial_call_through() -> None:
         trial = asyncio.ensure_future(s.contains([key(1)]))
         await asyncio.sleep(0.01)
         for _ in range(5):
-            assert await s.get_batch([key(1)]) == ([None], [rs._EMPTY])
+            assert await s.get_batch([key(1)]) == ([None], [rs.EMPTY])
         assert time.monotonic() - start < 0.05 and backend.calls == calls + 1
         assert await trial == [False]  # the trial timed out: a longer window
         assert s._backoff == 2 * rs.BACKOFF_MIN_S
