@@ -1,7 +1,7 @@
 """The `raykv` command line: `raykv --version`, `raykv config show`, `raykv simulate`, ...
 
-Each subcommand lives in the module that owns its logic and registers itself
-through a `register(subparsers)` function; this file only wires them up.
+Each subcommand registers itself through a `register(subparsers)` function in the module
+that owns its logic (`raykv config` here); this file wires them up.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand -> the module that registers it (imported only when needed).
-_SUBCOMMANDS = {"config": "raykv.config", "simulate": "raykv.simulate", "stats": "raykv.stats_cli"}
+_SUBCOMMANDS = {"config": "raykv.cli", "simulate": "raykv.simulate", "stats": "raykv.stats_cli"}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -30,6 +30,45 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is None or command == only:
             importlib.import_module(module).register(subparsers)
     return parser
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``raykv config show [--file PATH] [--json]`` (the subcommand this module owns)."""
+    config = subparsers.add_parser("config", help="inspect the effective raykv configuration")
+    config.set_defaults(func=lambda args: _usage(config))
+    sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    show = sub.add_parser(
+        "show",
+        help="print the effective config (defaults < file < RAYKV_* env), password masked",
+    )
+    show.add_argument(
+        "--file", metavar="PATH", help="YAML config file (default: $RAYKV_CONFIG_FILE)"
+    )
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    show.set_defaults(func=_show_command)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _show_command(args: argparse.Namespace) -> int:
+    import json
+
+    from raykv.config import RayKVConfig
+    from raykv.errors import ConfigError
+
+    try:
+        cfg = RayKVConfig.load(args.file)
+    except ConfigError as exc:
+        print(f"raykv config show: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(cfg.to_dict(mask_secrets=True), indent=2))
+    else:
+        print(cfg.to_yaml(mask_secrets=True), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

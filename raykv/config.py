@@ -14,20 +14,16 @@ A redis password or the payload secret never appears in a repr, a log line or an
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import difflib
 import functools
-import json
 import logging
 import math
 import os
 import re
-import sys
 import types
 import typing
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,16 +55,6 @@ _NODE_ID_RE = re.compile(r"^[0-9a-fA-F]{56}$")
 _RAY_RESERVED_RESOURCES = frozenset({"CPU", "GPU"})
 # Ray's resource precision: a smaller amount is rejected when the actor is created.
 _MIN_RESOURCE_AMOUNT = 0.0001
-# Settings once read from `extra_config` inside the actors; fields now. A key still given
-# in extra_config moves into its field with a DeprecationWarning.
-MOVED_FROM_EXTRA = (
-    "max_lower_writes_in_flight",
-    "remote_index_max_keys",
-    "kv_server_node_id",
-    "kv_server_resources",
-    "disk_fsync",
-    "disk_queue_wait_secs",
-)
 _MASK = "***"
 # Fields whose whole value is a secret: "***" in repr, config show, logs and errors.
 SECRET_FIELDS = ("payload_secret",)
@@ -135,16 +121,8 @@ class RayKVConfig:
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
-        moved = _move_deprecated_extra(self)
-        try:
-            _validate(self)
-        except ConfigError as exc:
-            key = getattr(exc, "key", None)
-            if key not in moved:
-                raise
-            err = ConfigError(f"{exc} (given as extra_config[{key!r}]; set the field {key})")
-            err.key = key  # type: ignore[attr-defined]
-            raise err from None
+        _refuse_fields_in_extra(self)
+        _validate(self)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={_show(v)}" for k, v in self.to_dict(mask_secrets=True).items())
@@ -570,48 +548,21 @@ def _validate_kv_server_resources(cfg: RayKVConfig) -> None:
         object.__setattr__(cfg, "kv_server_resources", {k: float(v) for k, v in value.items()})
 
 
-def _move_deprecated_extra(cfg: RayKVConfig) -> frozenset[str]:
-    """Move ``extra_config`` keys that are fields now (:data:`MOVED_FROM_EXTRA`) into
-    their fields, with a DeprecationWarning each; returns the keys moved.
-
-    A field also set to another, non-default value is a conflict (ConfigError).
-    """
+def _refuse_fields_in_extra(cfg: RayKVConfig) -> None:
+    """A field's name in ``extra_config`` is a ConfigError: extensions read extra_config,
+    raykv never does, so the setting would be silently ignored."""
     extra = cfg.extra_config
     if not isinstance(extra, dict):
-        return frozenset()  # the type check reports it
-    moved = [key for key in MOVED_FROM_EXTRA if key in extra]
-    if not moved:
-        return frozenset()
-    extra = dict(extra)  # never mutate the caller's mapping
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in moved}
-    for key in moved:
-        value = extra.pop(key)
-        current = getattr(cfg, key)
-        if current != defaults[key] and current != value:
-            raise _fail(
-                key,
-                current,
-                f"also given as extra_config[{key!r}]={_show(value)}; set only the field {key}",
-            )
-        object.__setattr__(cfg, key, value)
-        warnings.warn(
-            f"extra_config[{key!r}] is deprecated: {key} is a RayKVConfig field now; "
-            f"set {key} (or {env_name(key)}) instead of putting it in extra_config",
-            DeprecationWarning,
-            stacklevel=_caller_stacklevel(),
+        return  # the type check reports it
+    fields = sorted(set(extra) & set(FIELD_NAMES))
+    if fields:
+        key = fields[0]
+        raise _fail(
+            "extra_config",
+            extra,
+            f"no field names as keys: {key} is a field; set {key} (or {env_name(key)}), "
+            f"not extra_config[{key!r}]",
         )
-    object.__setattr__(cfg, "extra_config", extra)
-    return frozenset(moved)
-
-
-def _caller_stacklevel() -> int:
-    """``stacklevel`` for warnings.warn from a caller of this function: the first frame
-    outside this module and the dataclass machinery (so the user's line is reported)."""
-    inside = {__file__, dataclasses.__file__, "<string>"}  # <string>: generated __init__
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename in inside:
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _validate_local_disk(cfg: RayKVConfig) -> None:
@@ -829,43 +780,6 @@ def _parse_env(key: str, var: str, text: str) -> Any:
     return s
 
 
-# ----- CLI -----
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``raykv config show [--file PATH] [--json]`` to the CLI."""
-    config = subparsers.add_parser("config", help="inspect the effective raykv configuration")
-    config.set_defaults(func=lambda args: _usage(config))
-    sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
-    show = sub.add_parser(
-        "show",
-        help="print the effective config (defaults < file < RAYKV_* env), password masked",
-    )
-    show.add_argument(
-        "--file", metavar="PATH", help="YAML config file (default: $RAYKV_CONFIG_FILE)"
-    )
-    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
-    show.set_defaults(func=_show_command)
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
-def _show_command(args: argparse.Namespace) -> int:
-    try:
-        cfg = RayKVConfig.load(args.file)
-    except ConfigError as exc:
-        print(f"raykv config show: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(cfg.to_dict(mask_secrets=True), indent=2))
-    else:
-        print(cfg.to_yaml(mask_secrets=True), end="")
-    return 0
-
-
 __all__ = [
     "GB",
     "CONFIG_FILE_ENV",
@@ -873,10 +787,8 @@ __all__ = [
     "FIELD_NAMES",
     "KNOWN_SERDES",
     "KV_DTYPES",
-    "MOVED_FROM_EXTRA",
     "TIERS",
     "RayKVConfig",
     "env_name",
     "mask_url",
-    "register",
 ]

@@ -10,7 +10,6 @@ import math
 import pickle
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -625,7 +624,7 @@ def test_extra_config_must_hold_plain_yaml_values(value: dict[object, object]) -
         RayKVConfig(extra_config=value)  # type: ignore[arg-type]
 
 
-# ----- settings that moved out of extra_config -----
+# ----- settings once read from extra_config, fields now -----
 
 NODE_ID = "ab" * 28  # 56 hex digits, the shape of ray.get_runtime_context().get_node_id()
 
@@ -638,7 +637,6 @@ def test_moved_settings_default_to_the_values_the_actors_used() -> None:
     assert cfg.kv_server_resources is None
     assert cfg.disk_fsync is False
     assert cfg.disk_queue_wait_secs == 1.0 and isinstance(cfg.disk_queue_wait_secs, float)
-    assert set(config_mod.MOVED_FROM_EXTRA) <= set(FIELD_NAMES)
 
 
 @pytest.mark.parametrize(
@@ -721,68 +719,16 @@ def test_moved_settings_valid_values() -> None:
     assert RayKVConfig(kv_server_resources="kv_node").kv_server_resources == "kv_node"
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [
-        ("max_lower_writes_in_flight", 4),
-        ("remote_index_max_keys", 100),
-        ("kv_server_node_id", NODE_ID),
-        ("kv_server_resources", {"kv_node": 1}),
-        ("disk_fsync", True),
-        ("disk_queue_wait_secs", 0.25),
-    ],
-)
-def test_extra_config_key_moves_into_its_field_with_a_deprecation_warning(
-    key: str, value: object
-) -> None:
-    extra = {key: value, "mine": 1}
-    with pytest.warns(DeprecationWarning, match=rf"extra_config\['{key}'\].*set {key}") as rec:
-        cfg = RayKVConfig(extra_config=extra)
-    assert getattr(cfg, key) == value
-    assert cfg.extra_config == {"mine": 1}
-    assert extra == {key: value, "mine": 1}  # the caller's dict is left alone
-    assert rec[0].filename == __file__  # points at the caller, not at raykv/config.py
-    assert cfg == RayKVConfig(**{key: value}, extra_config={"mine": 1})  # type: ignore[arg-type]
-
-
-def test_extra_config_migration_from_a_file_and_keyword_overrides(tmp_path: Path) -> None:
-    path = write(tmp_path, "extra_config: {disk_fsync: true, remote_index_max_keys: 64}\n")
-    with pytest.warns(DeprecationWarning) as rec:
-        cfg = RayKVConfig.load(path)
-    assert {str(w.message).split("]")[0] for w in rec} == {
-        "extra_config['disk_fsync'",
-        "extra_config['remote_index_max_keys'",
-    }
-    assert (cfg.disk_fsync, cfg.remote_index_max_keys, cfg.extra_config) == (True, 64, {})
-    with pytest.warns(DeprecationWarning, match="max_lower_writes_in_flight"):
-        cfg = RayKVConfig.load(extra_config={"max_lower_writes_in_flight": 5})
-    assert cfg.max_lower_writes_in_flight == 5
-    # A migrated config has nothing left to migrate: replace() and round trips stay quiet.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert cfg.replace(chunk_size=16).max_lower_writes_in_flight == 5
-        assert RayKVConfig.from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
-        assert RayKVConfig.from_dict(cfg.to_dict()) == cfg
-
-
-def test_extra_config_migration_conflict_with_the_field_is_an_error() -> None:
-    with pytest.raises(ConfigError) as err:
-        RayKVConfig(disk_queue_wait_secs=2.0, extra_config={"disk_queue_wait_secs": 3.0})
-    message = str(err.value)
-    assert "invalid disk_queue_wait_secs=2.0" in message
-    assert "extra_config['disk_queue_wait_secs']=3.0" in message
-    # The same value twice is no conflict (just the deprecation).
-    with pytest.warns(DeprecationWarning):
-        cfg = RayKVConfig(disk_fsync=True, extra_config={"disk_fsync": True})
-    assert cfg.disk_fsync is True and cfg.extra_config == {}
-
-
-def test_extra_config_migrated_value_is_validated_and_the_error_says_where_it_came_from() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as err:
-        RayKVConfig(extra_config={"max_lower_writes_in_flight": 0})
-    message = str(err.value)
-    assert "invalid max_lower_writes_in_flight=0" in message and "integer >= 1" in message
-    assert "extra_config['max_lower_writes_in_flight']" in message
+@pytest.mark.parametrize("key", ["disk_fsync", "remote_index_max_keys", "chunk_size"])
+def test_a_field_name_in_extra_config_is_refused_not_ignored(key: str, tmp_path: Path) -> None:
+    """raykv never reads extra_config (it is for extensions): a field given there would
+    be silently ignored, so it is an error that names the field to set instead."""
+    with pytest.raises(ConfigError, match=rf"extra_config=.*{key} is a field; set {key}"):
+        RayKVConfig(extra_config={key: 1, "mine": 1})
+    path = write(tmp_path, f"extra_config: {{{key}: 1}}\n")
+    with pytest.raises(ConfigError, match=rf"{key} is a field"):
+        RayKVConfig.load(path)
+    assert RayKVConfig(extra_config={"mine": 1}).extra_config == {"mine": 1}
 
 
 def test_disk_store_from_config_reads_the_typed_fields(tmp_path: Path) -> None:
@@ -984,7 +930,7 @@ _secs = st.floats(min_value=1e-3, max_value=1e6)
 _resource = _name.filter(lambda n: n not in ("CPU", "GPU"))
 _amount = st.floats(min_value=1e-4, max_value=1e6)
 # Keys that are fields now would move out of extra_config (tested above).
-_extra_key = st.text().filter(lambda k: k not in config_mod.MOVED_FROM_EXTRA)
+_extra_key = st.text().filter(lambda k: k not in FIELD_NAMES)
 
 
 @st.composite
