@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._util import Summary, extent, print_table  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 
 ROUTERS = ("random", "pow2", "cache_aware")
 
@@ -165,7 +165,7 @@ def run_router(router: str, args: argparse.Namespace, rounds: list[Any]) -> Resu
     finally:
         serve.delete(app_name)
         for rid in replicas:
-            shutdown_manager(f"{namespace}-{rid}")
+            shutdown_namespace(f"{namespace}-{rid}")
     return res
 
 

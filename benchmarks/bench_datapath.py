@@ -53,7 +53,7 @@ import torch
 
 import raykv
 from benchmarks._util import Summary, interleave, interleave_all, judge, spread
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.payload import buffers_to_tensors
 
 TITLE = "Client data path: store and retrieve against memcpy"
@@ -173,7 +173,7 @@ def probe() -> None:
             times.append(time.perf_counter() - t)
         out["store_32"] = statistics.median(times)
         cache.close()
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
     finally:
         ray.shutdown()
     print("PROBE " + json.dumps(out), flush=True)
@@ -441,7 +441,7 @@ def main() -> None:
     finally:
         staged.close()
         plain.close()
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
         ray.shutdown()
     bench_settings(summary, 2 if args.quick else 4)
     summary.write(args.json)

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._util import Summary, extent, print_table  # noqa: E402
 from benchmarks.bench_cluster import MODEL  # noqa: E402  (the same small demo model)
 from raykv.actors.controller import wait_listed  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
 
@@ -190,7 +190,7 @@ def main() -> None:
     finally:
         try:
             if ray.is_initialized():
-                shutdown_manager(cfg.namespace)
+                shutdown_namespace(cfg.namespace)
         finally:
             ray.shutdown()
             cluster.shutdown()

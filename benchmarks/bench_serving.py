@@ -182,11 +182,11 @@ def start_app(config: Any, port: int) -> float:
 def stop_app(namespace: str | None) -> None:
     from ray import serve
 
-    from raykv.actors.storage_manager import shutdown_manager
+    from raykv.actors.factory import shutdown_namespace
 
     serve.delete(APP)
     if namespace is not None:
-        shutdown_manager(namespace)
+        shutdown_namespace(namespace)
     deadline = time.monotonic() + 60  # the engines' memory is back before the next arm
     while any(g == "engine" for g, _ in processes()) and time.monotonic() < deadline:
         time.sleep(0.5)

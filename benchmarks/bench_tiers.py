@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import raykv  # noqa: E402
 from benchmarks._util import interleave, spread  # noqa: E402
 from raykv.actors.cpu_store import CPUStoreActor  # noqa: E402
-from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
+from raykv.actors.factory import shutdown_namespace
+from raykv.actors.storage_manager import get_or_create_manager
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import ChunkSpan, KeyMaker  # noqa: E402
 from raykv.payload import PayloadMeta  # noqa: E402
@@ -400,7 +401,7 @@ def bench_lookup(rows: list[dict], tmp: str, reps: int) -> None:
     finally:
         probing.close()
         ray.kill(ping)
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
         try:
             ray.kill(ray.get_actor(f"kv-{ns}", namespace=ns))
         except ValueError:
@@ -451,7 +452,7 @@ def bench_prefetch(rows: list[dict], tmp: str, total_mib: int, reps: int) -> Non
         name = f"prefetch {total_mib} MiB disk -> CPU (+wait)"
         report(rows, name, "GB/s", "disk get_batch called directly", t_pf, t_direct, n * nbytes)
     finally:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
 
 
 def main() -> None:
@@ -484,11 +485,11 @@ def main() -> None:
         frag = ray.get(cpu.stats.remote())["fragmentation"]
         print(f"CPU tier fragmentation after the put runs: {frag:.3f}")
         rows.append({"name": "cpu fragmentation", "value": frag})
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
         bench_lookup(rows, tmp, 100 if args.quick else 400)
         bench_prefetch(rows, tmp, 128 if args.quick else 512, 2 if args.quick else 5)
     finally:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
         ray.shutdown()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._util import Summary, extent, print_table, redis_server_class  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.demo.gpu_worker import ModelWorker  # noqa: E402
 from raykv.demo.model import cache_from_buffers, prefill_suffix  # noqa: E402
@@ -364,7 +364,7 @@ def main() -> None:
         finally:
             if bench is not None:
                 for ns in bench.namespaces:
-                    shutdown_manager(ns)
+                    shutdown_namespace(ns)
             if ray.is_initialized():
                 ray.shutdown()
             server.stop()

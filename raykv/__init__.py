@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "GPUConnector": "raykv.connector",
     "PageConnector": "raykv.connector",
     "RayKVConfig": "raykv.config",
+    "shutdown_namespace": "raykv.actors.factory",
     "CacheKey": "raykv.keys",
     "ChunkSpan": "raykv.keys",
     "KeyMaker": "raykv.keys",
@@ -40,6 +41,7 @@ __all__ = [
     "GPUConnector",
     "PageConnector",
     "RayKVConfig",
+    "shutdown_namespace",
     "CacheKey",
     "ChunkSpan",
     "KeyMaker",
@@ -66,6 +68,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from raykv.actors.factory import shutdown_namespace
     from raykv.config import RayKVConfig
     from raykv.connector import GPUConnector, PageConnector
     from raykv.demo.gpu_worker import create_gpu_worker

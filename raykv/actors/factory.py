@@ -68,10 +68,12 @@ def get_or_create_tiers(config: RayKVConfig, node_id: str | None = None) -> dict
     return {t: create_tier(config, t, node_id) for t in enabled_tiers(config)}
 
 
-def shutdown_manager(namespace: str) -> None:
-    """Kill the manager and tier actors of `namespace` (for tests and `raykv` tooling).
+def shutdown_namespace(namespace: str) -> None:
+    """Kill raykv's actors of `namespace`: its managers, CPU, disk and remote-store tiers
+    and its controller (their cached data goes with them; a new `connect` starts afresh).
 
     The remote's data (a `ray://` KVServer, a Redis server) is shared and left alone.
+    Needs a connected Ray (`ray.init`).
     """
     names = [STORAGE_MANAGER_NAME, CPU_STORE_NAME, CONTROLLER_NAME]
     prefixes = (STORAGE_MANAGER_NAME, CPU_STORE_NAME, DISK_STORE_NAME, REMOTE_STORE_NAME)
@@ -104,5 +106,5 @@ __all__ = [
     "enabled_tiers",
     "get_or_create_tiers",
     "scoped",
-    "shutdown_manager",
+    "shutdown_namespace",
 ]

@@ -19,7 +19,7 @@ import ray
 
 from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.common import named_actor, node_scoped_name
-from raykv.actors.factory import actor_options, scoped, shutdown_manager
+from raykv.actors.factory import actor_options, scoped
 from raykv.actors.manager_core import ManagerCore, RemoteProbe
 from raykv.config import RayKVConfig
 from raykv.keys import ChunkSpan
@@ -187,5 +187,4 @@ __all__ = [
     "StorageManager",
     "get_or_create_manager",
     "manager_name",
-    "shutdown_manager",
 ]

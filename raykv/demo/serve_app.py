@@ -147,10 +147,10 @@ class KVModelServer:
     def shutdown_cache(self) -> None:
         """Stop this replica's raykv actors when `cache_scope="replica"` (else a no-op)."""
         if self.config.namespace.endswith(self.replica_id):
-            from raykv.actors.storage_manager import shutdown_manager
+            from raykv.actors.factory import shutdown_namespace
 
             self.worker.kv.close()
-            shutdown_manager(self.config.namespace)
+            shutdown_namespace(self.config.namespace)
 
 
 # What a response says about the cache (and the server's own timing). On a cache shared

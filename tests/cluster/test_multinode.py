@@ -13,8 +13,9 @@ from ray.experimental import get_object_locations
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.actors.controller import wait_listed
+from raykv.actors.factory import shutdown_namespace
 from raykv.actors.kv_server import get_or_create_kv_server
-from raykv.actors.storage_manager import get_or_create_manager, manager_name, shutdown_manager
+from raykv.actors.storage_manager import get_or_create_manager, manager_name
 from raykv.config import RayKVConfig
 from raykv.engine import KVCache
 from raykv.wire import RetrieveResult
@@ -68,7 +69,7 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_remote_tier(cluster)
         assert hit.all() and tiers == {"remote": TOKENS}
         torch.testing.assert_close(out, kv)
     finally:
-        shutdown_manager(cfg.namespace)
+        shutdown_namespace(cfg.namespace)
         ray.kill(ray.get_actor("raykv-cluster-remote", namespace=cfg.namespace), no_restart=True)
 
 
@@ -102,7 +103,7 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         stats = b.stats()["tiers"]["peer"]
         assert stats["lookup_hit_chunks"] >= TOKENS // CHUNK
     finally:
-        shutdown_manager(cfg.namespace)
+        shutdown_namespace(cfg.namespace)
 
 
 def test_killing_node_a_stores_leaves_node_b_correct(cluster):
@@ -133,7 +134,7 @@ def test_killing_node_a_stores_leaves_node_b_correct(cluster):
         assert b.retrieve(fresh, out).all()
         torch.testing.assert_close(out, fresh_kv)
     finally:
-        shutdown_manager(cfg.namespace)
+        shutdown_namespace(cfg.namespace)
         ray.kill(ray.get_actor("raykv-cluster-remote2", namespace=cfg.namespace), no_restart=True)
 
 
@@ -175,4 +176,4 @@ def test_connect_with_the_controller_attaches_to_the_callers_node_manager(cluste
         assert tiers == {"peer": TOKENS}  # node B's own manager pulled it from node A
         assert torch.equal(got, kv)
     finally:
-        shutdown_manager(cfg.namespace)
+        shutdown_namespace(cfg.namespace)

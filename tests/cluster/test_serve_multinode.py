@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 from raykv_testing import free_port  # noqa: E402
 
 from raykv.actors.controller import wait_listed  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
 
@@ -67,7 +67,7 @@ def served(cluster) -> Iterator[tuple[str, RayKVConfig]]:
         yield f"http://127.0.0.1:{port}/", RayKVConfig.load(**config)
     finally:
         serve.shutdown()
-        shutdown_manager(config["namespace"])
+        shutdown_namespace(config["namespace"])
 
 
 def _post(url: str, tokens: list[int]) -> dict[str, Any]:

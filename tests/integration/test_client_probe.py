@@ -15,7 +15,7 @@ import torch
 from raykv_testing import kv_for
 
 import raykv
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.payload import tensor_to_buffer
 from raykv.probe import ServerProbe, leading_true
 
@@ -48,7 +48,7 @@ def cache_fields():
     try:
         yield fields, name
     finally:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
         try:
             ray.kill(ray.get_actor(name, namespace=ns))
         except ValueError:

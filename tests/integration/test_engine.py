@@ -13,7 +13,7 @@ import torch
 from raykv_testing import kv_for
 
 import raykv
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.errors import InvalidInputError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -41,7 +41,7 @@ def settings(tmp_path_factory):
     try:
         yield fields
     finally:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
 
 
 VARIANTS = {

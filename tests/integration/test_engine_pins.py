@@ -20,7 +20,7 @@ import torch
 from raykv_testing import kv_for
 
 import raykv
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.connector import PageConnector
 from raykv.engine import attach_ray
 from raykv.errors import InvalidInputError
@@ -58,7 +58,7 @@ def namespace_settings():
     try:
         yield fields
     finally:
-        shutdown_manager(fields["namespace"])
+        shutdown_namespace(fields["namespace"])
 
 
 @pytest.fixture

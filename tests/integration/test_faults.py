@@ -24,7 +24,7 @@ import torch
 
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.errors import InvalidInputError
 from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, encode
 from raykv.tiers.disk import SUFFIX, layout_digest
@@ -78,7 +78,7 @@ def ns() -> Iterator[str]:
     try:
         yield name
     finally:
-        shutdown_manager(name)
+        shutdown_namespace(name)
 
 
 def retrieve_hits(kv: raykv.KVCache, tokens: np.ndarray) -> int:

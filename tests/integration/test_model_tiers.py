@@ -32,8 +32,8 @@ pytest.importorskip("transformers")
 from raykv_testing import RedisServer  # noqa: E402
 
 import raykv  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 from raykv.actors.kv_server import get_or_create_kv_server  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.demo.gpu_worker import ModelWorker, create_gpu_worker  # noqa: E402
 from raykv.demo.model import greedy_generate, prefill  # noqa: E402
@@ -137,7 +137,7 @@ def namespaces(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]
         yield spaces
     finally:
         for cfg in (spaces.redis, spaces.ray):
-            shutdown_manager(cfg.namespace)
+            shutdown_namespace(cfg.namespace)
         try:
             ray.kill(ray.get_actor(server_name, namespace=spaces.ray.namespace))
         except ValueError:

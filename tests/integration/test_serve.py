@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from raykv_testing import free_port  # noqa: E402
 
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -58,7 +58,7 @@ def served() -> Iterator[tuple[str, str]]:
         yield f"http://127.0.0.1:{port}/", namespace
     finally:
         serve.shutdown()
-        shutdown_manager(namespace)
+        shutdown_namespace(namespace)
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import pytest
 import ray
 from ray.util import list_named_actors
 
-from raykv.actors.storage_manager import get_or_create_manager, shutdown_manager
+from raykv.actors.factory import shutdown_namespace
+from raykv.actors.storage_manager import get_or_create_manager
 from raykv.config import RayKVConfig
 from raykv.keys import ChunkSpan, KeyMaker
 from raykv.payload import PayloadMeta
@@ -89,7 +90,7 @@ def shared_manager(ray_session, tmp_path_factory):
     namespaces: list[str] = []
     yield build_manager(namespaces, tmp_path_factory.mktemp("disk"))
     for ns in namespaces:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def make_manager(tmp_path):
     namespaces: list[str] = []
     yield lambda **overrides: build_manager(namespaces, tmp_path, **overrides)
     for ns in namespaces:
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
 
 
 def test_prefix_is_stitched_across_tiers(m):

@@ -22,7 +22,7 @@ import ray  # noqa: E402
 from raykv_testing import free_port  # noqa: E402
 
 import raykv  # noqa: E402
-from raykv.actors.storage_manager import shutdown_manager  # noqa: E402
+from raykv.actors.factory import shutdown_namespace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_serve_app.py"
@@ -67,7 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, int,
         if kv is not None:
             kv.close()
         serve.shutdown()
-        shutdown_manager(namespace)
+        shutdown_namespace(namespace)
 
 
 def stored_chunks(kv: raykv.KVCache) -> int:

@@ -26,7 +26,7 @@ from soak_workload import C, Corpus, Workload, chunk_tensor, sigkill_actor, wait
 
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.tiers.disk import SUFFIX
 from raykv.wire import PackedSpans
 
@@ -335,8 +335,8 @@ def test_faults_during_soak_cost_misses_never_errors_or_wrong_bytes(
         assert not never, f"did not recover within {RECOVERY_BOUND_S} s: {never}"
         assert rebuilt > 0, "the restarted DiskStore did not rebuild its index from its files"
     finally:
-        shutdown_manager(ns)
-        shutdown_manager(kv_ns)
+        shutdown_namespace(ns)
+        shutdown_namespace(kv_ns)
         try:
             ray.kill(ray.get_actor(kv_server, namespace=kv_ns), no_restart=True)
         except ValueError:

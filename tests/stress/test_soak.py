@@ -38,7 +38,7 @@ from soak_workload import CHUNK_BYTES, C, Corpus, Workload, chunk_tensor, wait_u
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.common import HANDOUT_HOLD_BYTES
-from raykv.actors.storage_manager import shutdown_manager
+from raykv.actors.factory import shutdown_namespace
 from raykv.tiers.disk import SUFFIX, TMP_SUFFIX
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("ray_session")]
@@ -187,7 +187,7 @@ def test_soak_mixed_workload_verifies_every_hit_and_stays_within_budgets(
         _assert_resource_bounds(res)
     finally:
         admin.close()
-        shutdown_manager(ns)
+        shutdown_namespace(ns)
 
 
 def _pin_state(kv: raykv.KVCache) -> dict[str, Any]:
