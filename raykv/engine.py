@@ -34,9 +34,9 @@ from raykv import metrics
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
-from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array
+from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
 from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
-from raykv.probe import ServerProbe, leading_true
+from raykv.probe import ServerProbe
 from raykv.readcache import ReadCache, object_id
 from raykv.staging import Stager, copy_buffers
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
@@ -408,7 +408,7 @@ class KVCache:
         # A probe that could not be sent costs the server's hits of this lookup (and backs
         # off: the next ones ask the manager).
         found = None if ref is None else probe.answer(ref, len(spans), left)
-        more = leading_true(found, start) if found is not None else 0
+        more = leading(found, start, _is_true) - start if found is not None else 0
         # The manager indexes the server's chunks and counts the lookup; nobody waits.
         note = self._manager.note_remote
         probe.notes.submit(lambda: note.remote(packed, start, more, found is None))  # type: ignore[union-attr]
@@ -887,6 +887,10 @@ class KVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_true(found: object) -> bool:
+    return found is True  # a probe's answer: True, False or None (unknown)
 
 
 def _chunks_within(spans: list[ChunkSpan], hit: int, chunk_size: int) -> int:

@@ -105,14 +105,4 @@ class ServerProbe:
         return {"remote_probes_sent": self.sent, "remote_probes_failed": self.failed}
 
 
-def leading_true(found: list[bool], start: int) -> int:
-    """How many entries of `found` from `start` on are True before the first False."""
-    n = 0
-    for hit in found[start:]:
-        if hit is not True:
-            break
-        n += 1
-    return n
-
-
-__all__ = ["ServerProbe", "leading_true"]
+__all__ = ["ServerProbe"]

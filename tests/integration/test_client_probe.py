@@ -17,7 +17,7 @@ from raykv_testing import kv_for
 import raykv
 from raykv.actors.factory import shutdown_namespace
 from raykv.payload import tensor_to_buffer
-from raykv.probe import ServerProbe, leading_true
+from raykv.probe import ServerProbe
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -213,10 +213,3 @@ def test_a_missing_server_is_no_probe_and_backs_off():
     probe = ServerProbe(f"none-{uuid.uuid4().hex[:8]}", "t-nowhere")
     assert probe.send(b"keys") is None
     assert probe.failed == 1 and probe.sent == 0
-
-
-def test_leading_true_counts_from_start_and_stops_at_the_first_miss():
-    assert leading_true([True, False, True, True, False], 2) == 2
-    assert leading_true([True, True], 0) == 2
-    assert leading_true([True, True], 2) == 0
-    assert leading_true([1, True], 0) == 0  # only True counts
