@@ -746,9 +746,9 @@ def free_port() -> int:
 
 def save_model(directory: Path) -> str:
     """The demo Llama geometry with a word tokenizer (text prompts round-trip exactly)."""
-    import raykv
+    from raykv.demo.model import save_demo_model
 
-    return raykv.save_demo_model(directory, max_position_embeddings=16384, tokenizer=True)
+    return save_demo_model(directory, max_position_embeddings=16384, tokenizer=True)
 
 
 if __name__ == "__main__":

@@ -200,9 +200,9 @@ def chat(args: argparse.Namespace, ttft: Any, settle: Any) -> list[dict]:
 
 def save_model(directory: Path) -> str:
     """The demo Llama geometry (8 layers, hidden 512, 2 KV heads of 64), random weights."""
-    import raykv
+    from raykv.demo.model import save_demo_model
 
-    return raykv.save_demo_model(directory, max_position_embeddings=16384)
+    return save_demo_model(directory, max_position_embeddings=16384)
 
 
 def run_scenario(

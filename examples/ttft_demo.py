@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 import raykv  # noqa: E402
+from raykv.demo.gpu_worker import create_gpu_worker  # noqa: E402
 
 QUESTION_TOKENS = 256
 WARM_REQUESTS = 3  # warm TTFT is the median of these (cheap, and steadier than one)
@@ -48,7 +49,7 @@ def run(contexts: list[int]) -> list[dict[str, object]]:
     )
     kv = raykv.connect(config)
     kv.clear()  # a rerun starts cold
-    worker = raykv.create_gpu_worker(config, seed=0, num_threads=os.cpu_count())
+    worker = create_gpu_worker(config, seed=0, num_threads=os.cpu_count())
     rng = np.random.default_rng(0)
     rows = []
     try:

@@ -41,9 +41,9 @@ def kv_transfer_config(address: str, namespace: str) -> dict:
 
 def tiny_llama(directory: str) -> str:
     """A small demo Llama with seeded random weights (nothing is downloaded)."""
-    import raykv
+    from raykv.demo.model import save_demo_model
 
-    return raykv.save_demo_model(
+    return save_demo_model(
         directory, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=8192
     )
 

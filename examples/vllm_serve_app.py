@@ -116,9 +116,9 @@ def cached_tokens(reply: dict[str, Any]) -> int:
 
 def tiny_llama(directory: str) -> str:
     """A small demo Llama with seeded random weights (nothing is downloaded)."""
-    import raykv
+    from raykv.demo.model import save_demo_model
 
-    return raykv.save_demo_model(
+    return save_demo_model(
         directory, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=8192
     )
 

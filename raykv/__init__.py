@@ -16,7 +16,6 @@ _LAZY: dict[str, str] = {
     "connect": "raykv.engine",
     "KVCache": "raykv.engine",
     "KVTarget": "raykv.engine",
-    "create_gpu_worker": "raykv.demo.gpu_worker",
     "GPUConnector": "raykv.connector",
     "PageConnector": "raykv.connector",
     "RayKVConfig": "raykv.config",
@@ -25,7 +24,6 @@ _LAZY: dict[str, str] = {
     "ChunkSpan": "raykv.keys",
     "KeyMaker": "raykv.keys",
     "PayloadMeta": "raykv.payload",
-    "save_demo_model": "raykv.demo.model",
     "RayKVError": "raykv.errors",
     "ConfigError": "raykv.errors",
     "PayloadError": "raykv.errors",
@@ -37,7 +35,6 @@ __all__ = [
     "connect",
     "KVCache",
     "KVTarget",
-    "create_gpu_worker",
     "GPUConnector",
     "PageConnector",
     "RayKVConfig",
@@ -46,7 +43,6 @@ __all__ = [
     "ChunkSpan",
     "KeyMaker",
     "PayloadMeta",
-    "save_demo_model",
     "RayKVError",
     "ConfigError",
     "PayloadError",
@@ -71,8 +67,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from raykv.actors.factory import shutdown_namespace
     from raykv.config import RayKVConfig
     from raykv.connector import GPUConnector, PageConnector
-    from raykv.demo.gpu_worker import create_gpu_worker
-    from raykv.demo.model import save_demo_model
     from raykv.engine import KVCache, KVTarget, connect
     from raykv.errors import (
         ConfigError,

@@ -33,10 +33,10 @@ def vllm_skip_reason() -> str | None:
 
 def save_tiny_llama(path: Path) -> Path:
     """A 2-layer demo Llama with seeded random weights (peaked logits), saved once."""
-    import raykv
+    from raykv.demo.model import save_demo_model
 
     if not (path / "config.json").exists():
-        raykv.save_demo_model(
+        save_demo_model(
             path,
             vocab_size=VOCAB,
             hidden_size=128,
