@@ -1,8 +1,8 @@
-"""A ~3 s run of the codec fuzzer (benchmarks/fuzz_codec.py), in process, without Ray."""
+"""A ~3 s run of the codec fuzzer (tests/fuzz_codec.py), in process, without Ray."""
 
 from __future__ import annotations
 
-from benchmarks.fuzz_codec import ALLOWED, main
+from fuzz_codec import ALLOWED, main
 
 
 def test_three_seconds_of_fuzzing_find_no_unexpected_outcome() -> None:

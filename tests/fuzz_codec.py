@@ -18,7 +18,7 @@ forged header changed the metadata), a ``PayloadError`` (codec) or a miss (disk,
 Anything else is ``unexpected``: another exception, a hit with wrong bytes, a miss that
 left a bad file or value behind, an input over the time limit (``hang``; SIGALRM when run
 on the main thread) or one that allocated more than the memory bound (numpy data is
-tracked by ``tracemalloc``). Run: ``python -m benchmarks.fuzz_codec --seconds 10 --seed 0``.
+tracked by ``tracemalloc``). Run: ``python tests/fuzz_codec.py --seconds 10 --seed 0``.
 """
 
 from __future__ import annotations
