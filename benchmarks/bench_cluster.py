@@ -57,19 +57,6 @@ from raykv.actors.factory import shutdown_namespace  # noqa: E402
 ROUTERS = ("random", "pow2", "cache_aware")
 
 TITLE = "Cache-aware routing"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)): with 12 users x 5 turns, cache-aware
-routing gave 1.80x random's hit tokens (0.56 against 0.31 of the prompt tokens) and the
-lowest mean TTFT (126 ms against 184 random, 175 pow2, Serve's default, which hit
-exactly as many tokens as random, 1.00x). The 1.5x goal is met in this run. It gave
-1.96x at 14:36 UTC; the goal was missed once the same day, at 1.49x in the 10:46 UTC
-run. The fall from 1.96x is shared about equally: cache-aware hit 48256 tokens here
-against 50176 at 14:36, random 26752 against 25600. The TTFT range of a router is the
-spread over its requests (different prompts; 49-403 ms for cache-aware here), not
-run-to-run noise. `--quick` (8 users x 4 turns, little history to reuse) leaves much
-less to gain, so the 1.5x goal is expected to be missed in quick mode.
-"""
 CHUNK = 64
 MODEL: dict[str, Any] = {
     "vocab_size": 4096,

@@ -35,23 +35,6 @@ BLOCK = 16
 SUMMARY = Summary()
 
 TITLE = "Connector and prefill"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25
-15:23 UTC, commit 118a027, 2 cores, load 4.3 -> 2.5), CPU only: the run found no GPU, so
-the CUDA path is unmeasured). With 32 layers x 8 KV heads x 128 head_dim, bf16, 2,048
-tokens, the paged layout reached 0.932x `index_select` on `to_payloads` and 0.706x
-`index_copy_` into the same buffers on `from_payloads`; the contiguous layout 0.952x and
-1.32x. `from_payloads` regained what it lost at 14:36 UTC (paged 0.562x, contiguous
-0.837x there). Ours reached 8.69 GB/s paged (6.82 at 14:36) and 18.0 GB/s contiguous
-(11.1), while the `index_copy_` baselines held (12.3 and 13.6 GB/s, against 12.1 and
-13.2). Both ratios are back near the 13:15 UTC run's (0.70x and 1.28x).
-`raykv/connector.py` and torch are unchanged across the three runs, so the 14:36 dip was
-run-to-run variation; its cause was not measured. On the demo model (8 layers, hidden
-512, fp32, CPU) with a 256-token suffix, the ideal speedup (full prefill / suffix-only
-prefill with the prefix KV already in the model's cache) was 3.16x at 1k, 8.61x at 4k
-and 15.2x at 8k by process CPU time (3.09x, 8.49x and 15.1x at 14:36 UTC); wall time
-gave 3.1x, 8.7x and 15.3x.
-"""
 
 
 def paired(

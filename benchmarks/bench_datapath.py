@@ -57,57 +57,6 @@ from raykv.actors.factory import shutdown_namespace
 from raykv.payload import buffers_to_tensors
 
 TITLE = "Client data path: store and retrieve against memcpy"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)).
-
-A staged store (`store_staging_size` > 0) blocked the caller for 1.25x / 1.08x / 1.08x
-one memcpy of the same bytes at 8 / 32 / 128 MiB (0.57 / 1.95 / 6.80 ms against 0.46 /
-1.81 / 6.32 ms; goal 1.5x: met at 8 and 128 MiB, "noisy" at 32 MiB, where the
-memcpy's own spread is wider than the margin; 1.31x / 1.12x / 1.07x at 14:36 UTC). In
-the 13:15 UTC run the 8 MiB store took 1.62x; two things changed since.
-
-The store got cheaper on cold caches. Timed in pieces, the store's copy cost what the
-memcpy cost, and the rest was Python and torch code that a store runs right after the
-background `ray.put` has flushed the caches: each torch call or numpy reduction cost
-10-40 us there. The client now keeps one torch view of the staging ring per (offset,
-chunk length), since regions come round to the same offsets, and copies a chunk that
-spans the whole tensor without narrowing it. A short prompt's token ids are
-range-checked by Python over their raw bytes (a fifth of a numpy reduction's cost,
-cold). Ids that `as_token_array` converted are not copied a second time.
-
-The baseline is now measured in the same state as the store. Every timed call, store
-or memcpy, follows the same untimed work: the background work drained, one staged
-store of another prompt, drained again. Before, the two alternated with only a drain
-between them, so half of the memcpy's repeats followed the same memcpy with its 8 MiB
-source and destination still in the 32 MiB L3, and its median moved between 0.23 and
-0.55 ms from run to run. That back-to-back memcpy is reported beside it: 0.095 / 1.25
-/ 6.49 ms. Against it the 8 MiB store is 6x: the store's copy meets DRAM, as a
-serving engine's does, since a forward pass runs between two stores. At 128 MiB, which
-no cache holds, the two baselines agree (6.49 vs 6.32 ms) and the store is 1.05x the
-back-to-back memcpy. The synchronous store waits for `ray.put` and the manager: 22x /
-18x / 6.5x a memcpy.
-
-`retrieve` reached 0.88 / 0.83 / 0.94 of one trivial async round trip + one memcpy of
-the same bytes at 8 / 32 / 128 MiB (goal 0.8, each "noisy"; 0.88 / 0.85 / 0.96 at
-14:36, 0.84 / 0.81 / 0.93 at 13:15). The baseline's memcpy copies what a retrieve
-copies (the stored chunks, from the object store, into the same destination), and each
-baseline alternates with the retrieve alone. Against a round trip that carries the
-retrieve's request as its argument: 0.98 / 0.88 / 0.94. What changed since 13:15: the
-tensor of a chunk the read cache holds is made once and kept with its object
-(`ReadCache.memo`; ~0.1 ms per retrieve, cold), and a chunk that spans the destination
-is copied without a slice.
-
-The read cache (`read_cache_size`, on for the goal's figures), alternating on and off:
-0.81x / 0.84x / 0.97x the time without it at 8 / 32 / 128 MiB.
-
-Ray settings, for users who start Ray themselves (fresh Ray per round, 2 GiB object
-store, 4 rounds alternating): `RAY_preallocate_plasma_memory=1` raised `ray.put` from
-1.66 / 2.31 / 2.65 to 2.60 / 3.83 / 5.00 GB/s at 8 / 32 / 128 MiB, and made `ray.init`
-take 5.2 s instead of 3.6 s (it touches the whole store at start, which then counts as
-used memory). raykv's synchronous 32 MiB store did not gain (0.85 vs 1.00 GB/s): it is
-bound by the CPU store's re-put and the manager round trips, not by page faults.
-"""
 
 LAYERS, HIDDEN = 8, 1024  # 32 KiB of fp16 K+V per token
 CHUNK = 256

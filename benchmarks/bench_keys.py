@@ -33,26 +33,6 @@ from raykv.keys import KeyMaker
 from raykv.payload import PayloadMeta, decode, encode
 
 TITLE = "Keys and codec"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25
-15:23 UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)): 128k tokens took 0.379 ms from a
-numpy array (goal 5 ms, met; 0.376 ms at 14:36 UTC) and 2.73 ms from a Python list,
-whose conversion to int32 dominates. The chain hashes a view of the int32 tokens instead
-of a copy, takes the seed's digest from a cache, checks the ids' range in one pass and
-builds each `CacheKey` tuple inline; at 128k tokens the hashing runs at the speed of
-`tobytes()` of the same tokens (1.01x its time; 0.94x at 14:36 UTC).
-
-Codec decode is zero-copy (checksum only), hence > 1x memcpy (1.30x at 2 MiB, 3.63x at
-32 MiB; 1.30x and 3.82x at 14:36 UTC). `encode` returns a numpy buffer rather than
-`bytes` and reached 0.592x / 0.724x memcpy (0.591x / 0.761x at 14:36 UTC): allocating
-and filling a 32 MiB `bytes` ran at 1.9 GB/s against 4.4 GB/s for numpy in an earlier
-run. All four codec goals (>= 0.5x memcpy) are met.
-
-Start-up: `import raykv` took 0.355 ms, timed inside a new process, and that process
-found neither torch nor ray imported (goal 0.3 s, met). `raykv --version` took 0.035 s
-as a whole process, beside 0.031 s for a bare `python -c pass` (goal 0.5 s, met). Both
-were a little slower than at 14:36 UTC (0.030 s and 0.028 s).
-"""
 
 
 def bench_hashing(repeats: int, summary: Summary) -> None:

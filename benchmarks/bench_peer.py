@@ -57,22 +57,6 @@ from raykv.config import RayKVConfig  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
 
 TITLE = "Peer tier vs recompute (2-node cluster)"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)): a peer hit cut TTFT 3.05x / 8.85x /
-19.7x against recomputing a 1k / 4k / 8k-token prefix (139 / 786 / 2358 ms cold vs
-45.4 / 88.8 / 120 ms), so the goal (speedup > 1 at every length; the worst is 3.05x at
-1k, 2.88x at 14:36 UTC) is met. The peer load itself (lookup + retrieve) took 33.7 /
-60.0 / 72.3 ms (32.8 / 56.2 / 77.1 ms at 14:36), 5.9x / 2.9x / 2.0x a raw cross-node
-`ray.get` of the same bytes (5.7 / 20.4 / 36.0 ms). Those ratios moved because the raw
-get moved (9.3 / 19.6 / 26.8 ms at 14:36), far more than the peer load did. No
-`ray://` remote runs here, so the new `client_remote_probe` default does not touch this
-path. The peer path is three actor hops (B's manager asks the controller, B's CPUStore
-asks A's manager) and three copies (A's manager gathers the chunks into one new object,
-B's CPUStore re-puts it so that B's object store holds what B's budget counts). A local
-CPU hit after the promotion is another 2.0-2.7x faster than the peer hit (16.9 / 37.1 /
-59.5 ms).
-"""
 CHUNK, SUFFIX = 64, 64
 # K and V x layers x kv heads x head dim x fp32
 BYTES_PER_TOKEN = (

@@ -48,40 +48,6 @@ from raykv.policies import known_policies, make_policy, replay  # noqa: E402
 from raykv.simulate import load_trace  # noqa: E402
 
 TITLE = "Eviction policies"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25
-15:23 UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)). The policies and the simulator
-have not changed since the 13:15 UTC run (commit ba4699e). Every miss ratio equals the
-14:36 UTC run's.
-
-The simulator loops are plain Python (an `OrderedDict`, a dict plus a list, or deques
-per policy); libCacheSim runs C, so with the file read included its ARC loop is faster
-than ours (0.950x: ours 4.17 M req/s, libCacheSim's 4.39). The ratio rose from 0.758x at
-14:36 UTC because libCacheSim's figure fell (5.69 M req/s then) while ours held
-(4.31). Its LFU loop is about as fast as ours (0.997x; ours spread 3.55-4.14 M req/s
-around its 3.75). A whole `raykv simulate` process beats a whole libCacheSim process
-(LRU 1.81x, SIEVE 1.69x, S3-FIFO 2.43x; 1.73x, 1.63x and 2.21x at 14:36 UTC; goals met)
-because it imports less: no numpy (the trace is read with `array`), no progress bar
-unless on a terminal, only the chosen subcommand, and no count of distinct ids unless a
-size or `--json` needs it. The rise is libCacheSim's: its LRU process took 0.357 s
-(0.331 s), ours 0.197 s (0.191 s). Every simulator loop is above 1M req/s (goal met;
-slowest ARC 4.93, then LFU 5.12 M req/s). At 14:36 UTC LFU was the slowest at 4.73; its
-spread then (4.59-5.45) covers this run's 5.12. LFU keeps lazy deque buckets of
-`[key, freq]` cells since 2026-11-25. The protocol path takes the common call
-(`evict(1)` with nothing pinned) on a short path, so for LRU, FIFO, SIEVE and S3-FIFO
-the calls a tier makes cost less per request than libCacheSim's Python binding does per
-`get` (2.08x / 2.20x / 1.62x / 1.59x, goals met; 2.01x / 2.27x / 1.61x / 1.52x at
-14:36 UTC). Not so for ARC (0.570x), Priority (0.585x, a `SortedDict` of levels) and LFU
-(0.306x: every hit moves a key between frequency buckets of a `SortedDict`); these are
-not goals of the issue, though LFU's is what a tier pays per touch with
-`cache_policy: lfu`.
-
-Miss counts: LRU, FIFO, LFU, SIEVE, CLOCK and ARC equal libCacheSim's exactly; S3-FIFO
-matches `S3FIFOv0` (threshold 2) within 2e-4; SLRU within 0.015 of its 2-segment SLRU;
-Priority (no priorities given) equals its LRU (see `tests/conformance/`). libCacheSim
-has no MRU or FILO: those are checked against the protocol path and by hand-worked cases
-in `tests/unit/`.
-"""
 CURVE_SIZES = "0.1%,0.5%,1%,2%,5%,10%,20%"
 WHOLE_PROCESS = ("lru", "sieve", "s3fifo")
 PROTOCOL_GOAL = ("lru", "fifo", "sieve", "s3fifo")

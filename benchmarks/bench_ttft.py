@@ -66,22 +66,6 @@ GOALS = {"cpu": 0.8, "disk": 0.6, "redis": 0.5}
 WARM_ROUNDS = 3  # ideal and warm samples per prefix (per repeat)
 
 TITLE = "TTFT with the demo model"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5)). From a cached 4k / 8k-token prompt the
-warm TTFT reached 0.965 / 0.941 of the ideal (the prefix already in the model's cache)
-from CPU, 0.874 / 0.867 from disk and 0.812 / 0.788 from Redis (0.941 / 0.970, 0.827 /
-0.884 and 0.788 / 0.758 at 14:36 UTC). raykv's own load took 11.3 / 16.5 ms (CPU),
-31.9 / 52.7 ms (disk, page cache) and 60.2 / 106 ms (Redis) against a suffix prefill of
-0.240 / 0.375 s, which is why every cell met its goal: on this CPU the prefill
-dominates. The 8k CPU fraction fell from 0.970 to 0.941, but its warm and ideal
-spreads overlap (0.358-0.421 s and 0.342-0.384 s). On a GPU the load is most of a warm
-TTFT (see `bench_datapath`).
-
-Correctness (tests/integration/test_model_tiers.py): first-token logits of the warm
-path equal the cold path within 1e-4 and 12 greedy tokens are identical, with the
-prefix served from CPU, from disk, from Redis and from a `ray://` KVServer.
-"""
 
 
 @dataclass

