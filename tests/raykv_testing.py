@@ -1,4 +1,5 @@
-"""Test helpers shared by the suites: free loopback ports and a real redis-server.
+"""Test helpers shared by the suites: free loopback ports, a real redis-server, and the
+small factories of keys and chunks that every tier test builds its cases from.
 
 A module of its own (not conftest.py) so tests can import it by a unique name.
 """
@@ -11,7 +12,35 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
+
+from raykv.keys import CacheKey, make_key
+from raykv.payload import PayloadMeta
+
 TEST_NAMESPACE = "raykv-test"
+
+
+def chunk_key(i: int, model: str = "m", dtype: str = "bfloat16") -> CacheKey:
+    """The i-th test chunk's key (its hash is i in hex)."""
+    return make_key(model, 1, 0, f"{i:032x}", dtype)
+
+
+def byte_meta(nbytes: int) -> PayloadMeta:
+    """The metadata of an opaque `nbytes`-byte payload (uint8 K and V)."""
+    return PayloadMeta("uint8", (2, 1, 1, nbytes // 2))
+
+
+def seeded_chunk(i: int, tokens: int = 16) -> tuple[PayloadMeta, np.ndarray]:
+    """A bfloat16 chunk whose bytes are a function of i, so every hit can be checked."""
+    meta = PayloadMeta("bfloat16", (2, 2, tokens, 32))
+    return meta, np.random.default_rng(i).integers(0, 256, meta.nbytes, dtype=np.uint8)
+
+
+class FakeRef:
+    """Stands in for an ObjectRef (Ray-free tier tests)."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
 
 
 def free_port() -> int:

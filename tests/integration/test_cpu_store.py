@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import uuid
@@ -10,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+import raykv_testing
+from raykv_testing import byte_meta, chunk_key
 
 from raykv.actors.cpu_store import CPUStoreActor
 from raykv.keys import CacheKey
@@ -18,12 +21,12 @@ from raykv.payload import PayloadMeta
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Workers cannot import test modules: ship this module's actors and helpers by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(raykv_testing)  # its factories travel with us too
 
 NBYTES = 64 << 10
 
 
-def key(i: int) -> CacheKey:
-    return CacheKey("cpu-test", 1, 0, f"{i:032x}", "bfloat16")
+key = functools.partial(chunk_key, model="cpu-test")
 
 
 def payload(k: CacheKey, nbytes: int = NBYTES) -> np.ndarray:
@@ -34,7 +37,7 @@ def payload(k: CacheKey, nbytes: int = NBYTES) -> np.ndarray:
 
 
 def meta(nbytes: int = NBYTES) -> PayloadMeta:
-    return PayloadMeta("uint8", (2, 1, 1, nbytes // 2))
+    return byte_meta(nbytes)
 
 
 def read(chunks) -> list[np.ndarray]:

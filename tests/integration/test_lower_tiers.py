@@ -4,6 +4,7 @@ files and a real redis-server, plus each tier's failure behaviour."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -18,14 +19,13 @@ import numpy as np
 import pytest
 import ray
 import redis
-from raykv_testing import TEST_NAMESPACE, RedisServer
+from raykv_testing import TEST_NAMESPACE, RedisServer, chunk_key, seeded_chunk
 
 from raykv.actors.disk_store import DiskStoreActor
 from raykv.actors.kv_server import get_or_create_kv_server
 from raykv.actors.remote_store import RemoteStoreActor
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta
 from raykv.tiers.disk import record_size
 from raykv.tiers.remote import RemoteStore
 
@@ -39,14 +39,10 @@ CAPACITY_GB = CAPACITY / (1 << 30)
 TIMEOUT_MS = 1000
 
 
-def key(i: int) -> CacheKey:
-    return CacheKey("tier-test", 1, 0, f"{i:032x}", "bfloat16")
+key = functools.partial(chunk_key, model="tier-test")
 
 
-def chunk(i: int, tokens: int = 16) -> tuple[PayloadMeta, np.ndarray]:
-    """A chunk's bytes are a function of its id, so every hit can be checked."""
-    meta = PayloadMeta("bfloat16", (2, 2, tokens, 32))
-    return meta, np.random.default_rng(i).integers(0, 256, meta.nbytes, dtype=np.uint8)
+chunk = seeded_chunk
 
 
 def config(**kw: Any) -> RayKVConfig:

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import pytest
+from raykv_testing import FakeRef, byte_meta, chunk_key
 
-from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.cpu import CPUStore
 
 CHUNK = 1000  # bytes per chunk in these tests
 
 
-def key(i: int) -> CacheKey:
-    return CacheKey("m", 1, 0, f"{i:032x}", "bfloat16")
+key = chunk_key
 
 
 def meta(nbytes: int = CHUNK) -> PayloadMeta:
-    return PayloadMeta("uint8", (2, 1, 1, nbytes // 2))
-
-
-class FakeRef:
-    """Stands in for an ObjectRef."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+    return byte_meta(nbytes)
 
 
 def put(store: CPUStore, ids: list[int], name: str = "b", **kw) -> dict:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from raykv_testing import seeded_chunk
 
 from raykv.keys import make_key
-from raykv.payload import PayloadMeta
 from raykv.tiers import disk as ds
 from raykv.tiers.disk import DiskStore, layout_digest
 
@@ -21,10 +21,7 @@ def key(i: int, model: str = "m"):
     return make_key(model, 1, 0, f"{i:032x}", "bfloat16")
 
 
-def chunk(i: int, tokens: int = 16) -> tuple[PayloadMeta, np.ndarray]:
-    meta = PayloadMeta("bfloat16", (2, 2, tokens, 32))
-    data = np.random.default_rng(i).integers(0, 256, meta.nbytes, dtype=np.uint8)
-    return meta, data
+chunk = seeded_chunk
 
 
 CHUNK_BYTES = chunk(0)[0].nbytes  # 4096

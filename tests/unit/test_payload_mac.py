@@ -10,6 +10,7 @@ The secret itself never shows in a repr, an error, `config show`, logs or stats.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import struct
@@ -19,12 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from raykv_testing import chunk_key
 
 import raykv
 from raykv import payload as pl
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError, PayloadError
-from raykv.keys import CacheKey, make_key
+from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, decode, encode, read_header
 from raykv.tiers.disk import DiskStore
 
@@ -33,8 +35,7 @@ OTHER = "another secret of 16+ chars"
 META = PayloadMeta("float16", (2, 2, 4, 8))
 
 
-def key(i: int) -> CacheKey:
-    return make_key("m", 1, 0, f"{i:032x}", "float16")
+key = functools.partial(chunk_key, dtype="float16")
 
 
 def data(seed: int = 0) -> np.ndarray:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import msgpack
 import pytest
+from raykv_testing import chunk_key
 
 from raykv.errors import InvalidInputError
-from raykv.keys import ChunkSpan, make_key
+from raykv.keys import ChunkSpan
 from raykv.payload import PayloadMeta
 from raykv.tiers.index import PrefixIndex, leading, split_spans
 from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PackedSpans, PutAck
@@ -14,8 +17,7 @@ from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, Packe
 META = PayloadMeta("float16", (2, 1, 4, 8))
 
 
-def key(i: int):
-    return make_key("m", 1, 0, f"{i:032x}", "float16")
+key = functools.partial(chunk_key, dtype="float16")
 
 
 def ref(i: int) -> ChunkRef:

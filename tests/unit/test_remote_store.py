@@ -9,18 +9,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from raykv_testing import chunk_key
 
 from raykv.config import RayKVConfig
-from raykv.keys import make_key
 from raykv.payload import PayloadMeta
 from raykv.tiers import remote as rs
 from raykv.tiers.kv_server import KVServerState
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import PutAck
 
-
-def key(i: int):
-    return make_key("m", 1, 0, f"{i:032x}", "bfloat16")
+key = chunk_key
 
 
 META = PayloadMeta("bfloat16", (2, 1, 4, 8))  # 128 bytes

@@ -11,15 +11,16 @@ stored, never raised; `contains`, `remove`, `keys` and `clear` agree with the pu
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from raykv_testing import chunk_key
 
 from raykv.config import RayKVConfig
-from raykv.keys import make_key
 from raykv.payload import PayloadMeta
 from raykv.tiers.disk import DiskStore
 from raykv.tiers.kv_server import KVServerState
@@ -28,8 +29,7 @@ from raykv.tiers.remote import RemoteStore
 META = PayloadMeta("float16", (2, 2, 16, 8))
 
 
-def key(i: int):
-    return make_key("contract", 1, 0, f"{i:032x}", "float16")
+key = functools.partial(chunk_key, model="contract", dtype="float16")
 
 
 def payload(i: int) -> np.ndarray:

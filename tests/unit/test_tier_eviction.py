@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from raykv_testing import FakeRef, byte_meta
 
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
@@ -25,11 +26,7 @@ def key(conv: int, depth: int) -> CacheKey:
 
 
 def meta(nbytes: int = CHUNK) -> PayloadMeta:
-    return PayloadMeta("uint8", (2, 1, 1, nbytes // 2))
-
-
-class FakeRef:
-    """Stands in for an ObjectRef."""
+    return byte_meta(nbytes)
 
 
 def cached_depths(contains, conv: int, depth: int) -> list[int]:
