@@ -55,10 +55,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._util import Summary, extent, print_table, redis_server_class  # noqa: E402
 from raykv.actors.factory import shutdown_namespace  # noqa: E402
+from raykv.client.layout import KVTarget  # noqa: E402
 from raykv.config import RayKVConfig  # noqa: E402
 from raykv.demo.gpu_worker import ModelWorker  # noqa: E402
 from raykv.demo.model import cache_from_buffers, prefill_suffix  # noqa: E402
-from raykv.engine import KVTarget  # noqa: E402
 
 SUFFIX = 256
 TIERS = ("cpu", "disk", "redis")

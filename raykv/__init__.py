@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (imported on first access).
 _LAZY: dict[str, str] = {
-    "connect": "raykv.engine",
-    "KVCache": "raykv.engine",
-    "KVTarget": "raykv.engine",
+    "connect": "raykv.client.kvcache",
+    "KVCache": "raykv.client.kvcache",
+    "KVTarget": "raykv.client.layout",
     "GPUConnector": "raykv.connector",
     "PageConnector": "raykv.connector",
     "RayKVConfig": "raykv.config",
@@ -65,9 +65,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from raykv.actors.factory import shutdown_namespace
+    from raykv.client.kvcache import KVCache, connect
+    from raykv.client.layout import KVTarget
     from raykv.config import RayKVConfig
     from raykv.connector import GPUConnector, PageConnector
-    from raykv.engine import KVCache, KVTarget, connect
     from raykv.errors import (
         ConfigError,
         InvalidInputError,

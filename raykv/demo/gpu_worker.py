@@ -18,9 +18,10 @@ from typing import Any
 import ray
 import torch
 
+from raykv.client.kvcache import KVCache, connect
+from raykv.client.layout import KVTarget
 from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector
-from raykv.engine import KVCache, KVTarget, connect
 from raykv.errors import InvalidInputError
 from raykv.keys import as_token_array
 

@@ -75,11 +75,11 @@ try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
 except ImportError:  # pragma: no cover - depends on the vLLM version
     CacheHitSource = None  # type: ignore[assignment,misc]
 
+from raykv.client.kvcache import KVCache, attach_ray, connect
+from raykv.client.staging import BufferPool
 from raykv.config import RayKVConfig
 from raykv.connector import PageConnector
-from raykv.engine import KVCache, attach_ray, connect
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
-from raykv.staging import BufferPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -16,8 +16,8 @@ from raykv.actors.controller import wait_listed
 from raykv.actors.factory import shutdown_namespace
 from raykv.actors.kv_server import get_or_create_kv_server
 from raykv.actors.storage_manager import get_or_create_manager, manager_name
+from raykv.client.kvcache import KVCache
 from raykv.config import RayKVConfig
-from raykv.engine import KVCache
 from raykv.wire import RetrieveResult
 
 CHUNK, LAYERS, HIDDEN, TOKENS = 16, 2, 8, 64

@@ -16,8 +16,8 @@ from raykv_testing import kv_for
 
 import raykv
 from raykv.actors.factory import shutdown_namespace
+from raykv.client.probe import ServerProbe
 from raykv.payload import tensor_to_buffer
-from raykv.probe import ServerProbe
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

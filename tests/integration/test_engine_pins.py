@@ -21,8 +21,8 @@ from raykv_testing import kv_for
 
 import raykv
 from raykv.actors.factory import shutdown_namespace
+from raykv.client.kvcache import attach_ray
 from raykv.connector import PageConnector
-from raykv.engine import attach_ray
 from raykv.errors import InvalidInputError
 from raykv.payload import LAYOUT_PAGES, PayloadMeta
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from ray.exceptions import ObjectStoreFullError
 
-from raykv import engine
+from raykv.client import kvcache as engine
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
 from raykv.payload import PayloadMeta
@@ -59,7 +59,7 @@ def test_a_failing_ray_put_stores_nothing_and_never_raises(
 
     monkeypatch.setattr(engine.ray, "put", failing_put)
     tokens = list(range(3 * CHUNK))
-    with caplog.at_level(logging.WARNING, logger="raykv.engine"):
+    with caplog.at_level(logging.WARNING, logger="raykv.client.kvcache"):
         assert kv.store(tokens, kv_tensor(len(tokens))) == 0
     assert "not cached" in caplog.text and type(fault).__name__ in caplog.text
     meta = PayloadMeta("float32", (2, LAYERS, CHUNK, HIDDEN))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raykv.readcache import ReadCache, object_id, value_nbytes
+from raykv.client.readcache import ReadCache, object_id, value_nbytes
 
 
 class Fetcher:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raykv.staging import BufferPool
+from raykv.client.staging import BufferPool
 
 
 def test_a_given_back_buffer_is_taken_again_for_the_same_size():

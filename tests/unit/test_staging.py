@@ -1,4 +1,4 @@
-"""The staging ring and the background stager (raykv.staging), without Ray."""
+"""The staging ring and the background stager (raykv.client.staging), without Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from raykv.staging import ALIGN, SerialWorker, Stager, StagingRing, copy_buffers
+from raykv.client.staging import ALIGN, SerialWorker, Stager, StagingRing, copy_buffers
 
 
 def test_regions_never_overlap_and_come_back_in_order_across_wraps() -> None:

@@ -3,8 +3,9 @@
 Every method makes ONE actor round trip to the `StorageManager` per request (plus,
 for a retrieve, one batched `ray.get` of the request's distinct batch objects, which
 is zero-copy on the manager's node; with `client_remote_probe`, a lookup also asks the
-`ray://` server in the same instant, see `raykv.probe`). Keys are computed here, in the caller's
-process, from the tokens.
+`ray://` server in the same instant, see `raykv.client.probe`). Keys are computed here,
+in the caller's process, from the tokens. The KV's checks and copies are the client's
+`KVLayout` (`raykv.client.layout`).
 
 Faults cost cache hits, never exceptions: an unreachable or restarting manager, a
 timed-out lookup or a chunk whose owner died all read as misses (logged). Bad input
@@ -22,7 +23,6 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,14 +31,14 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from raykv import metrics
+from raykv.client.layout import KVLayout, KVSource, KVTarget
+from raykv.client.probe import ServerProbe
+from raykv.client.readcache import ReadCache, object_id
+from raykv.client.staging import Stager, copy_buffers
 from raykv.config import RayKVConfig
-from raykv.connector import GPUConnector, KVBuffers
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
-from raykv.payload import PayloadMeta, buffers_to_tensors, tensor_to_buffer
-from raykv.probe import ServerProbe
-from raykv.readcache import ReadCache, object_id
-from raykv.staging import Stager, copy_buffers
+from raykv.payload import PayloadMeta
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
 
 logger = logging.getLogger(__name__)
@@ -49,23 +49,6 @@ _CONNECT_TIMEOUT_SECS = 120.0
 _PUT_SLACK_SECS = 30.0
 # Pinned lookups a client may leave open before the oldest is unpinned (leases end them too).
 _MAX_OPEN_PINS = 4096
-_RING_VIEWS = 256  # cached torch views of the staging ring (offsets come round)
-
-
-@dataclass(frozen=True)
-class KVTarget:
-    """An engine's KV buffers, read and written through a `GPUConnector`.
-
-    `buffers` is one entry per layer in the connector's layout; token i of the request
-    lives at `slot_mapping[i]` (required for the paged layout) or at row i.
-    """
-
-    connector: GPUConnector
-    buffers: KVBuffers
-    slot_mapping: Any = None
-
-
-KVSource = torch.Tensor | Sequence[torch.Tensor] | KVTarget
 
 
 class KVCache:
@@ -75,11 +58,7 @@ class KVCache:
         self.config = config
         self._manager = manager
         self._keys = KeyMaker.from_config(config)
-        self._dtype = getattr(torch, config.kv_dtype)
-        self._geometry: tuple[int, int] | None = None  # (num_layers, hidden), set on first use
-        self._metas: dict[int, PayloadMeta] = {}  # chunk length -> meta, under that geometry
-        # (ring offset, chunk tokens) -> a torch view of the staging ring there
-        self._ring_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._layout = KVLayout(config)  # checks and copies of this model's KV
         # Pinned lookups this client named itself (a caller-named one is the caller's to
         # retrieve or unpin), oldest first: lookup id -> key of its last pinned chunk.
         self._pins: OrderedDict[str, CacheKey] = OrderedDict()
@@ -123,94 +102,6 @@ class KVCache:
         packed = PackedSpans.of(spans)
         return packed.wire() if isinstance(packed, PackedSpans) else packed
 
-    def _check_geometry(self, num_layers: int, hidden: int, what: str) -> None:
-        if self._geometry is None:
-            self._geometry = (num_layers, hidden)
-        elif self._geometry != (num_layers, hidden):
-            raise InvalidInputError(
-                f"{what} has {num_layers} layers x {hidden} hidden, expected "
-                f"{self._geometry[0]} x {self._geometry[1]} "
-                "(the layout this cache was first used with)"
-            )
-
-    def _check_kv_tensor(self, kv: torch.Tensor, n_tokens: int, what: str) -> None:
-        shape = kv.shape if isinstance(kv, torch.Tensor) else None  # read once: cold reads cost
-        if shape is None or len(shape) != 4 or shape[0] != 2:
-            got = type(kv).__name__ if shape is None else list(shape)
-            raise InvalidInputError(
-                f"{what} must be a KV_2LTD tensor [2, num_layers, num_tokens, hidden], got {got}"
-            )
-        if kv.dtype != self._dtype:
-            raise InvalidInputError(
-                f"{what} has dtype {kv.dtype}, expected {self._dtype} (config kv_dtype)"
-            )
-        if shape[2] < n_tokens:
-            raise InvalidInputError(
-                f"{what} covers {shape[2]} tokens, expected at least {n_tokens}"
-            )
-        if self._geometry != (shape[1], shape[3]):
-            self._check_geometry(shape[1], shape[3], what)
-
-    def _check_source(self, kv: KVSource, spans: list[ChunkSpan], n_tokens: int) -> None:
-        """Check a store's KV against the prompt and this cache's layout (before any copy)."""
-        if isinstance(kv, KVTarget):
-            self._check_destination(kv, n_tokens)
-        elif isinstance(kv, torch.Tensor):
-            self._check_kv_tensor(kv, n_tokens, "kv")
-        else:
-            self._check_chunks(kv, spans)
-
-    def _check_chunks(self, kv: Any, spans: list[ChunkSpan]) -> None:
-        if not isinstance(kv, Sequence) or isinstance(kv, (str, bytes)):
-            raise InvalidInputError(
-                "kv must be a KV_2LTD tensor, a list of chunk tensors or a KVTarget, "
-                f"got {type(kv).__name__}"
-            )
-        if len(kv) != len(spans):
-            raise InvalidInputError(
-                f"got {len(kv)} KV chunks for {len(spans)} chunks of the prompt "
-                f"(chunk_size={self.config.chunk_size}, mask applied)"
-            )
-        for j, (chunk, span) in enumerate(zip(kv, spans, strict=True)):
-            self._check_kv_tensor(chunk, span.end - span.start, f"KV chunk {j}")
-            if chunk.shape[2] != span.end - span.start:
-                raise InvalidInputError(
-                    f"KV chunk {j} has {chunk.shape[2]} tokens, expected {span.end - span.start}"
-                )
-
-    def _fill(
-        self,
-        region: np.ndarray,
-        at: int,
-        kv: KVSource,
-        spans: list[ChunkSpan],
-        metas: list[PayloadMeta],
-    ) -> None:
-        """Copy the chunks of `kv` (checked) into `region` (at offset `at` of the staging
-        ring), back to back in span order."""
-        if isinstance(kv, KVTarget):  # the connector gathers into new buffers: copy those
-            copy_buffers(region, self._payloads(kv, spans))
-            return
-        off = 0
-        whole = isinstance(kv, torch.Tensor)
-        views = self._ring_views
-        for j, (span, meta) in enumerate(zip(spans, metas, strict=True)):
-            n = span.end - span.start
-            out = views.get((at + off, n))
-            if out is None:  # torch views cost ~0.1 ms on cold caches: one per place
-                if len(views) >= _RING_VIEWS:
-                    views.clear()
-                out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
-                out = views[(at + off, n)] = out.view(meta.shape)
-            if not whole:
-                src = kv[j]
-            elif span.start == 0 and n == kv.shape[2]:
-                src = kv
-            else:
-                src = kv.narrow(2, span.start, n)
-            out.copy_(src)
-            off += meta.nbytes
-
     def _stage(
         self,
         keyed: Callable[[], tuple[list[ChunkSpan], list[CacheKey] | None]],
@@ -241,14 +132,6 @@ class KVCache:
         if self._stager is not None and self._stager.pending:
             if not self._stager.drain(self._lookup_timeout * 4 if timeout is None else timeout):
                 logger.warning("raykv: staged stores still in flight; this call may miss them")
-
-    def _payloads(self, kv: KVSource, spans: list[ChunkSpan]) -> list[np.ndarray]:
-        """Flat uint8 buffers of the chunks of a checked `kv` (`_check_source`), in span order."""
-        if isinstance(kv, KVTarget):
-            return [buf for buf, _ in kv.connector.to_buffers(kv.buffers, spans, kv.slot_mapping)]
-        if isinstance(kv, torch.Tensor):
-            return [tensor_to_buffer(kv[:, :, s.start : s.end, :])[0] for s in spans]
-        return [tensor_to_buffer(chunk)[0] for chunk in kv]
 
     # ----- manager calls: a fault is a miss -----
 
@@ -323,12 +206,12 @@ class KVCache:
         chunks = self._keys.bounds(n_tokens, self._keys.skipped(mask, n_tokens))
         if not chunks or (limit is not None and priority is not None and priority > limit):
             return 0
-        self._check_source(kv, chunks, n_tokens)
-        metas = [self._meta(span) for span in chunks]
+        self._layout.check_source(kv, chunks, n_tokens)
+        metas = [self._layout.meta(span) for span in chunks]
         if self._stager is not None:
             nbytes = sum(m.nbytes for m in metas)
             if nbytes <= self._stager.ring.capacity:
-                fill = lambda region, at: self._fill(region, at, kv, chunks, metas)  # noqa: E731
+                fill = lambda region, at: self._layout.fill(region, at, kv, chunks, metas)  # noqa: E731
                 # The caller may reuse its array once this returns (a converted one is new).
                 owned = tokens.copy() if tokens is given else tokens
                 keyed = lambda: self._keyed(owned, chunks)  # noqa: E731
@@ -341,7 +224,7 @@ class KVCache:
                 self._stager.ring.capacity,
             )
         spans, prefix = self._keyed(tokens, chunks)
-        held = self._put(spans, self._payloads(kv, spans), metas, priority, prefix)
+        held = self._put(spans, self._layout.payloads(kv, spans), metas, priority, prefix)
         return sum(s.end - s.start for s in spans[:held])
 
     def _keyed(
@@ -356,16 +239,6 @@ class KVCache:
         if [s[:2] for s in spans] != [c[:2] for c in chunks]:  # never stored under wrong keys
             raise RuntimeError(f"chunk bounds {chunks[:2]}... disagree with the keys' {spans[:2]}")
         return spans, [s.key for s in every[:k]]
-
-    def _meta(self, span: ChunkSpan) -> PayloadMeta:
-        """The meta of a chunk of this model's KV (one per chunk length, built once: the
-        layout is fixed on first use)."""
-        n = span.end - span.start
-        meta = self._metas.get(n)
-        if meta is None:
-            num_layers, hidden = self._geometry  # type: ignore[misc]
-            meta = self._metas[n] = PayloadMeta(self.config.kv_dtype, (2, num_layers, n, hidden))
-        return meta
 
     def lookup(self, tokens: Any, pin: bool = False, lookup_id: str | None = None) -> int:
         """How many prefix tokens of `tokens` the cache holds, across all tiers.
@@ -531,10 +404,10 @@ class KVCache:
         """
         tokens = as_token_array(tokens)  # once: the key maker takes it as it is
         hit = np.zeros(len(tokens), dtype=bool)
-        self._check_destination(destination, len(hit))
+        self._layout.check_destination(destination, len(hit))
         chunks, tiers = self._fetch(tokens, mask, lookup_id)
         if chunks:
-            self._write(destination, chunks)
+            self._layout.write(destination, chunks)
             hit[chunks[0][0].start : chunks[-1][0].end] = True
         if not return_tiers:
             return hit
@@ -554,7 +427,7 @@ class KVCache:
             skip = self._keys.skipped(mask, len(tokens))
             spans = [s for s in spans if s.start >= skip]
         chunks, tiers, places = self._get_chunks(spans, lookup_id)
-        out = self._materialise(chunks, places)
+        out = self._layout.materialise(chunks, places, self._reads.memo if self._reads else None)
         return out, tiers[: len(out)]
 
     def get_chunks(
@@ -643,39 +516,6 @@ class KVCache:
             return ray.get(refs, timeout=timeout)
         return self._reads.read(refs, lambda missing: ray.get(missing, timeout=timeout))
 
-    def _materialise(
-        self, chunks: list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], places: list[Any] | None
-    ) -> list[tuple[ChunkSpan, torch.Tensor]]:
-        """Zero-copy tensors of the leading chunks that hold this model's KV (of a chunk
-        in a batch the read cache holds, the tensor made the first time it was read:
-        making one costs ~0.1 ms on cold caches)."""
-        good = 0
-        for span, buf, meta in chunks:
-            want = self._meta(span)
-            if meta != want or buf.nbytes != want.nbytes:
-                # Not this model's KV (another model under the same model_name, or a hostile
-                # writer with a valid checksum): the prefix ends here, the app sees a miss.
-                logger.error(
-                    "raykv: cached chunk %s is %s (%d bytes), expected %s; treated as a miss "
-                    "(do two models share model_name=%r?)",
-                    span.key,
-                    meta,
-                    buf.nbytes,
-                    want,
-                    self.config.model_name,
-                )
-                break
-            good += 1
-        kept = chunks[:good]
-        if places is None or self._reads is None:
-            tensors = buffers_to_tensors([buf for _, buf, _ in kept], [m for _, _, m in kept])
-            return [(span, t) for (span, _, _), t in zip(kept, tensors, strict=True)]
-        memo = self._reads.memo
-        return [
-            (span, memo(oid, (index, meta), lambda b=buf, m=meta: buffers_to_tensors([b], [m])[0]))
-            for (span, buf, meta), (oid, index) in zip(kept, places, strict=False)
-        ]
-
     def put_chunks(
         self,
         spans: list[ChunkSpan],
@@ -757,36 +597,6 @@ class KVCache:
         # New, or already cached (the first put wins).
         return 0 if result is None else result.stored + result.present
 
-    def _check_destination(self, destination: torch.Tensor | KVTarget, n_tokens: int) -> None:
-        """Validate where KV will be written; fixes this client's layout if not yet known."""
-        if isinstance(destination, KVTarget):
-            conn = destination.connector
-            if conn.dtype != self._dtype:
-                raise InvalidInputError(
-                    f"connector dtype {conn.dtype} != config kv_dtype {self._dtype}"
-                )
-            self._check_geometry(conn.num_layers, conn.hidden, "the connector")
-        else:
-            self._check_kv_tensor(destination, n_tokens, "destination")
-
-    def _write(
-        self, destination: torch.Tensor | KVTarget, chunks: list[tuple[ChunkSpan, torch.Tensor]]
-    ) -> None:
-        if isinstance(destination, KVTarget):
-            conn = destination.connector
-            conn.from_payloads(
-                [t for _, t in chunks],
-                destination.buffers,
-                [s.start for s, _ in chunks],
-                destination.slot_mapping,
-            )
-            return
-        whole = destination.shape[2]
-        for span, tensor in chunks:
-            n = span.end - span.start
-            part = destination if n == whole else destination.narrow(2, span.start, n)
-            part.copy_(tensor)
-
     # ----- layer by layer -----
 
     def _require_layerwise(self) -> None:
@@ -801,7 +611,7 @@ class KVCache:
         """
         self._require_layerwise()
         spans = self.spans(tokens, mask)
-        self._check_destination(source, 0)
+        self._layout.check_destination(source, 0)
         payloads, steps = source.connector.to_payloads_layerwise(
             source.buffers, spans, source.slot_mapping
         )
@@ -821,7 +631,7 @@ class KVCache:
         self._require_layerwise()
         tokens = as_token_array(tokens)  # once: the key maker takes it as it is
         hit = np.zeros(len(tokens), dtype=bool)
-        self._check_destination(destination, len(hit))
+        self._layout.check_destination(destination, len(hit))
         chunks, _ = self._fetch(tokens, mask, lookup_id)
         if chunks:
             yield from destination.connector.from_payloads_layerwise(

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from raykv.staging import SerialWorker
+from raykv.client.staging import SerialWorker
 
 logger = logging.getLogger(__name__)
 
