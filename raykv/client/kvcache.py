@@ -460,44 +460,19 @@ class KVCache:
             self._forget_pin(lookup_id)
         packed = self._packed(spans)
         reads = self._reads
-        # Objects this client holds are named by id (no refs to register); a miss of
-        # the read cache asks again with refs, a failed read asks the CPU store first.
         keys = [s.key for s in spans] if reads is not None else []
-        ids = reads is not None and reads.covers(keys)
-        check_cpu = False
-        for _attempt in range(3):
-            method = "get"
-            if ids and lookup_id is None:
-                method, args = "get_held", (packed,)  # one argument: Ray sends each apart
-            elif ids:
-                args = (packed, lookup_id, False, True)
-            elif lookup_id is None and not check_cpu:
-                args = (packed,)  # default arguments are not sent
-            else:
-                args = (packed, lookup_id, check_cpu)
+        attempt = _BY_ID if reads is not None and reads.covers(keys) else _BY_REF
+        while attempt is not None:
+            method, args = _get_call(attempt, packed, lookup_id)
             reply = self._call(method, *args, timeout=self._lookup_timeout * 4, default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
                 return [], [], None
             lookup_id = None  # that get released the pins
             refs = list({c.ref: None for c in result.chunks})
-            if ids:
-                got = reads.held(refs)  # type: ignore[union-attr]
-                if got is None:
-                    ids = False
-                    continue
-            else:
-                try:
-                    got = self._read(refs)
-                except RayError as exc:
-                    # The CPUStore restarted since the manager indexed these refs: ask again.
-                    logger.warning(
-                        "raykv chunk read failed (%s); retrying once", type(exc).__name__
-                    )
-                    if check_cpu:
-                        break
-                    check_cpu = True
-                    continue
+            got, attempt = self._read_attempt(attempt, refs)
+            if got is None:
+                continue
             values = dict(zip(refs, got, strict=True))
             pairs = list(zip(spans, result.chunks, strict=False))
             places = None
@@ -508,6 +483,19 @@ class KVCache:
             chunks = [(span, values[c.ref][c.index], c.meta) for span, c in pairs]
             return chunks, list(result.tiers), places
         return [], [], None
+
+    def _read_attempt(self, attempt: str, refs: list[Any]) -> tuple[list[Any] | None, str | None]:
+        """The values of `refs` for this attempt, or (None, the next attempt to make)."""
+        if attempt == _BY_ID:
+            got = self._reads.held(refs)  # type: ignore[union-attr]
+            return (got, attempt) if got is not None else (None, _BY_REF)
+        try:
+            return self._read(refs), attempt
+        except RayError as exc:
+            # The CPUStore restarted since the manager indexed these refs: ask again, with
+            # the manager checking which chunks the CPU store still holds.
+            logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
+            return None, (_CHECKED if attempt == _BY_REF else None)
 
     def _read(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """The values of the batch objects `refs` (from the read cache where held)."""
@@ -697,6 +685,25 @@ class KVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The attempts of a get, in order. BY_ID: the read cache holds every chunk's batch, so
+# the manager names them by id (no refs to register). BY_REF: refs, read with ray.get
+# (after BY_ID found a batch gone from the read cache). CHECKED: refs again after a read
+# failed, the manager first asking the CPU store which chunks it still holds.
+_BY_ID, _BY_REF, _CHECKED = "by-id", "by-ref", "checked"
+
+
+def _get_call(attempt: str, packed: Any, lookup_id: str | None) -> tuple[str, tuple]:
+    """The manager method and arguments of one attempt (arguments left at their defaults
+    are not sent)."""
+    if attempt == _BY_ID and lookup_id is None:
+        return "get_held", (packed,)  # one argument: Ray sends each apart
+    if attempt == _BY_ID:
+        return "get", (packed, lookup_id, False, True)
+    if attempt == _BY_REF and lookup_id is None:
+        return "get", (packed,)
+    return "get", (packed, lookup_id, attempt == _CHECKED)
 
 
 def _is_true(found: object) -> bool:
