@@ -755,7 +755,7 @@ def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:
     elif overrides:
         config = config.replace(**overrides)
     if config.local_disk:  # the disk actor would refuse it too, but only in its own log
-        from raykv.tiers.disk import check_owner
+        from raykv.tiers.chunkfiles import check_owner
 
         check_owner(config.local_disk)
     attach_ray(config.ray_address)

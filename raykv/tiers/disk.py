@@ -19,17 +19,14 @@ of a deleting key is skipped, so an unlink never races with a new write of the s
 
 from __future__ import annotations
 
-import errno
 import functools
-import json
 import logging
 import os
-import re
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,15 +35,12 @@ import numpy as np
 import xxhash
 
 from raykv import metrics
-from raykv.errors import ConfigError, InvalidInputError, PayloadError
-from raykv.keys import CacheKey, KeyIdentity
+from raykv.errors import InvalidInputError, PayloadError
+from raykv.keys import CacheKey
 from raykv.payload import (
     EMPTY,
-    HEADER_PREFIX_BYTES,
     LAYOUT_KV_2LTD,
-    MAX_PAYLOAD_BYTES,
     PayloadMeta,
-    check_head,
     decode,
     encode_parts,
     read_header,
@@ -57,24 +51,25 @@ from raykv.tiers.budget import (
     check_priority,
     check_put_lengths,
 )
+from raykv.tiers.chunkfiles import (
+    DISK_FULL,
+    SUFFIX,
+    TMP_SUFFIX,
+    ChunkFiles,
+    KeyParser,
+    file_name,
+    read_file,
+    unlink,
+)
 from raykv.wire import TIER_DISK, PutAck
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".rkv"
-TMP_SUFFIX = ".tmp"
-# A temp file untouched this long is a crashed write's leftover: a live write keeps its
-# file's mtime fresh (each write() updates it), so on start older temps are removed.
-STALE_TMP_SECS = 60.0
-LAYOUT_FILE = "raykv-layout.json"
-SHARD_CHARS = 2  # one level of 256 shard directories: ~400 files each at 100k chunks
 # Batches whose chunks average at least this many bytes are read on the read pool.
 PARALLEL_READ_BYTES = 512 << 10
 _HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # `put_written` reports a write still running after this long as skipped.
 WRITTEN_ACK_TIMEOUT_SECS = 120.0
-_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 
 
 def layout_digest(model_name: str, layout: str, kv_dtype: str, chunk_size: int) -> str:
@@ -112,153 +107,6 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)  # set when it ended
 
 
-def _write_all(fd: int, data: Any) -> None:
-    """Write every byte of `data` to `fd` (os.write may write less than asked)."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _write_file(path: str, parts: Iterable[Any], fsync: bool) -> None:
-    """Create `path` exclusively and write `parts` to it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        for part in parts:
-            _write_all(fd, part)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_owner(path: str) -> None:
-    """Raise `ConfigError` if `path` exists and another user owns it (see `_private_dir`)."""
-    try:
-        uid = os.stat(path).st_uid
-    except FileNotFoundError:
-        return
-    if uid != os.geteuid():
-        raise ConfigError(
-            f"disk tier directory {path} is owned by uid {uid}, not by this user "
-            f"(uid {os.geteuid()}): refusing to keep KV there; point local_disk at a "
-            "directory of your own"
-        )
-
-
-def _private_dir(path: str, *, restrict: bool = True) -> None:
-    """Create `path` (and missing parents) readable by this user only; refuse a directory
-    another user owns (who could read the KV, or plant files for us to serve).
-
-    `restrict` also narrows an existing directory to 0700 (for directories raykv owns,
-    not for a `local_disk` root the user picked).
-    """
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    check_owner(path)
-    if restrict and os.stat(path).st_mode & 0o077:
-        os.chmod(path, 0o700)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> bool:
-    """Remove a file; False if it was already gone or could not be removed."""
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        logger.warning("cannot remove %s: %s", path, exc)
-        return False
-
-
-def _open_regular(path: str) -> Any:
-    """Open `path` for reading only if it is a regular file, never following a symlink and
-    never blocking (a FIFO or device dropped under a chunk's name is refused, not read)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise PayloadError("not a regular file")
-        return open(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _read_file(
-    path: str,
-    expected_size: int | None = None,
-    max_nbytes: int = MAX_PAYLOAD_BYTES,
-    secret: str | None = None,
-) -> np.ndarray:
-    """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
-
-    Nothing is allocated for the body before the header is read and checked: a file
-    whose size is not `expected_size` (the size the index recorded), whose header does
-    not parse, declares more than `max_nbytes`, or does not match the file's size is
-    refused after reading at most `HEADER_PREFIX_BYTES` bytes (a planted huge file must not
-    be read into memory). With `secret`, a plain (unkeyed) record is refused at the header,
-    and one without a secret refuses a keyed record (`decode` then checks the tag).
-    """
-    with _open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if expected_size is not None and size != expected_size:
-            raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
-        head = f.read(min(size, HEADER_PREFIX_BYTES))
-        check_head(head, size, max_nbytes, secret=secret)
-        buf = np.empty(size, dtype=np.uint8)
-        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        view = memoryview(buf)
-        done = len(head)
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise PayloadError(f"file shrank while reading: {done} of {size} bytes")
-            done += n
-    return buf
-
-
-def _file_name(key: CacheKey) -> str:
-    """`key.to_string()`, checked to be one safe path component.
-
-    `CacheKey`'s constructor does not validate (it is on the hot path), so a key built by
-    hand, or sent by a hostile client, could carry a path separator in its hash or dtype.
-    """
-    text = key.to_string()
-    if not _HEX32.match(key.chunk_hash) or "/" in text or "\\" in text or "\x00" in text:
-        raise InvalidInputError(f"not a valid chunk key for a file name: {text!r:.120}")
-    return text
-
-
-class _KeyParser:
-    """Parses file names back to keys; caches each file-name head's `CacheKey.identity`."""
-
-    def __init__(self) -> None:
-        self._heads: dict[tuple[str, str], KeyIdentity] = {}
-
-    def __call__(self, text: str) -> CacheKey | None:
-        head, _, rest = text.rpartition("@")  # rest = dtype
-        head, _, chunk_hash = head.rpartition("@")
-        cached = self._heads.get((head, rest))
-        if cached is None:
-            try:
-                key = CacheKey.from_string(text)
-            except (InvalidInputError, ValueError):
-                return None
-            self._heads[(head, rest)] = key.identity
-            return key
-        if not _HEX32.match(chunk_hash):
-            return None
-        return CacheKey.of(cached, chunk_hash)
-
-
 class DiskStore:
     """The disk tier's logic: index, byte budget, policy, background writer, reader.
 
@@ -285,6 +133,7 @@ class DiskStore:
         expected_chunk_bytes: int = DEFAULT_EXPECTED_CHUNK_BYTES,
         read_workers: int = 2,
         payload_secret: str | None = None,
+        files: type[ChunkFiles] = ChunkFiles,
     ) -> None:
         if payload_secret is not None and not payload_secret:
             raise InvalidInputError("payload_secret must be None or a non-empty string")
@@ -320,15 +169,15 @@ class DiskStore:
             if read_workers > 1
             else None
         )
-        self._parse = _KeyParser()
+        self._parse = KeyParser()
         self._counts = dict.fromkeys(
             ("hits", "misses", "evictions", "errors", "skipped", "stored_bytes"), 0
         )
         self.incarnation = uuid.uuid4().hex
         self._closed = False
-        _private_dir(os.path.dirname(self.directory), restrict=False)
-        _private_dir(self.directory)
-        self._write_layout_file()
+        # How records reach files (a subclass injected by tests: a full disk, a torn file).
+        self._files = files(self.directory, fsync=fsync)
+        self._files.write_layout_file(self._layout)
         self._rebuild()
 
     @classmethod
@@ -360,73 +209,11 @@ class DiskStore:
             f"used={self._index.used}/{self._index.capacity})"
         )
 
-    # ----- paths -----
-
     def path_of(self, key: CacheKey) -> str:
         """The final file of `key`; `InvalidInputError` for a key that is no safe file name."""
-        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], _file_name(key) + SUFFIX)
-
-    def _tmp_path(self, key: CacheKey) -> str:
-        name = f".{_file_name(key)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
-        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], name)
-
-    def _write_layout_file(self) -> None:
-        path = os.path.join(self.directory, LAYOUT_FILE)
-        if os.path.exists(path):
-            return
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self._layout, f)
-            os.replace(tmp, path)
-        except OSError as exc:  # informational only
-            logger.debug("cannot write %s: %s", path, exc)
-            _unlink(tmp)
+        return self._files.path_of(key)
 
     # ----- rebuild and check -----
-
-    def _scan(self) -> Iterable[tuple[os.DirEntry[str], os.DirEntry[str]]]:
-        """(shard dir, file) entries of every shard directory, names only (no stat)."""
-        try:
-            shards = [e for e in os.scandir(self.directory) if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return
-        for shard in shards:
-            if len(shard.name) != SHARD_CHARS:
-                continue
-            try:
-                with os.scandir(shard.path) as it:
-                    for entry in it:
-                        yield shard, entry
-            except FileNotFoundError:
-                continue
-
-    def _layout_temps(self) -> list[os.DirEntry[str]]:
-        """Temp files of `_write_layout_file` in the layout directory (not in a shard)."""
-        try:
-            with os.scandir(self.directory) as it:
-                return [
-                    e
-                    for e in it
-                    if e.name.startswith(LAYOUT_FILE + ".") and e.name.endswith(TMP_SUFFIX)
-                ]
-        except FileNotFoundError:
-            return []
-
-    @staticmethod
-    def _remove_if_stale(entry: os.DirEntry[str], now: float) -> bool:
-        """Remove a temp file not modified for `STALE_TMP_SECS` (True if removed).
-
-        A younger one may belong to a live writer (another DiskStore on this directory,
-        in this process or another); `check(fix=True)` removes those too.
-        """
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        if stat.S_ISDIR(st.st_mode) or now - st.st_mtime < STALE_TMP_SECS:
-            return False
-        return _unlink(entry.path)
 
     def _rebuild(self) -> None:
         """Rebuild the index from names and sizes (no file bodies are read); remove temp
@@ -434,12 +221,12 @@ class DiskStore:
         found: list[tuple[float, CacheKey, int]] = []
         temps = bad = removed = 0
         now = time.time()
-        for entry in self._layout_temps():
-            removed += self._remove_if_stale(entry, now)
-        for _, entry in self._scan():
+        for entry in self._files.layout_temps():
+            removed += self._files.remove_if_stale(entry, now)
+        for _, entry in self._files.scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
-                if self._remove_if_stale(entry, now):
+                if self._files.remove_if_stale(entry, now):
                     removed += 1
                 else:
                     temps += 1
@@ -463,7 +250,7 @@ class DiskStore:
             self._index.add(key, size)
         victims = self._index.shrink()
         for key, _ in victims:
-            _unlink(self.path_of(key))
+            self._files.unlink_key(key)
         self._count("evictions", len(victims))
         if removed:
             logger.info(
@@ -499,11 +286,11 @@ class DiskStore:
             ("files", "temp_files", "bad_files", "missing_files", "adopted", "unknown_files"), 0
         )
         seen: set[CacheKey] = set()
-        for entry in self._layout_temps():
+        for entry in self._files.layout_temps():
             report["temp_files"] += 1
             if fix:
-                _unlink(entry.path)
-        for _, entry in self._scan():
+                unlink(entry.path)
+        for _, entry in self._files.scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
                 with self._lock:
@@ -511,7 +298,7 @@ class DiskStore:
                 if not ours:
                     report["temp_files"] += 1
                     if fix:
-                        _unlink(entry.path)
+                        unlink(entry.path)
                 continue
             if not name.endswith(SUFFIX):
                 report["unknown_files"] += 1
@@ -524,7 +311,7 @@ class DiskStore:
                 logger.warning("disk tier: bad file %s: %s", entry.path, problem)
                 if fix:
                     if key is None:
-                        _unlink(entry.path)
+                        unlink(entry.path)
                     else:
                         self._drop(key, unlink=True)
                 continue
@@ -535,7 +322,7 @@ class DiskStore:
         with self._lock:
             unseen = [k for k in self._index.keys() if k not in seen]
         for key in unseen:
-            if not os.path.exists(self.path_of(key)):
+            if not self._files.exists(key):
                 report["missing_files"] += 1
                 if fix:
                     self._drop(key, unlink=False)
@@ -555,12 +342,10 @@ class DiskStore:
         """Why the file at `path` is not a valid record of `key`, or None if it is."""
         try:
             if deep:
-                data = _read_file(path, None, self._index.capacity, self._secret)
+                data = read_file(path, None, self._index.capacity, self._secret)
                 decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
                 return None
-            with _open_regular(path) as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(_HEADER_PROBE)
+            size, head = self._files.read_head(path, _HEADER_PROBE)
             header = read_header(head, secret=self._secret)
         except FileNotFoundError:
             return None  # removed meanwhile: nothing to fix here
@@ -675,7 +460,7 @@ class DiskStore:
     ) -> bool:
         """Admit one chunk; False only if no write slot freed up before `deadline`."""
         try:
-            _file_name(key)
+            file_name(key)
         except InvalidInputError as exc:
             logger.warning("disk tier: skipping a chunk: %s", exc)
             ack.skipped.append(key)
@@ -706,7 +491,7 @@ class DiskStore:
                 fits, victims = self._index.reserve(key, reserve)
                 self._deleting.update(k for k, _ in victims)
                 if fits:
-                    rec = _Pending(key, meta, array, reserve, self._tmp_path(key))
+                    rec = _Pending(key, meta, array, reserve, self._files.tmp_path(key))
                     self._pending[key] = rec
         if rec is None:
             self._slots.release()
@@ -735,35 +520,19 @@ class DiskStore:
 
     def _write(self, rec: _Pending) -> None:
         """Worker thread: encode, write the temp file, rename it into place, commit."""
-        final = self.path_of(rec.key)
         size = -1
-        renamed = False
         try:
             head, body = encode_parts(rec.array, rec.meta, rec.key.to_string(), secret=self._secret)
-            parts = (head, body)
-            try:
-                _write_file(rec.tmp_path, parts, self._fsync)
-            except FileNotFoundError:  # shard directory not created yet (or removed)
-                os.makedirs(os.path.dirname(rec.tmp_path), mode=0o700, exist_ok=True)
-                _write_file(rec.tmp_path, parts, self._fsync)
-            os.replace(rec.tmp_path, final)
-            renamed = True
-            if self._fsync:  # make the rename itself durable
-                _fsync_dir(os.path.dirname(final))
-            size = len(head) + body.nbytes
+            # Neither file is left behind by a failure (a file outside the index and the
+            # budget would be an orphan).
+            size = self._files.write(rec.key, rec.tmp_path, (head, body))
         except OSError as exc:
-            _unlink(rec.tmp_path)
-            if renamed:  # not durable, and outside the index and the budget: no orphan
-                _unlink(final)
-            kind = "disk_full" if exc.errno in _DISK_FULL else "write"
+            kind = "disk_full" if exc.errno in DISK_FULL else "write"
             logger.warning(
                 "disk tier: dropped a write of %d bytes (%s): %s", rec.meta.nbytes, kind, exc
             )
             self._error(kind)
         except Exception as exc:  # a bug or a bad payload must not kill the writer thread
-            _unlink(rec.tmp_path)
-            if renamed:
-                _unlink(final)
             logger.error("disk tier: write of %s failed: %s", rec.key, exc, exc_info=True)
             self._error("write")
         cancelled = False
@@ -836,7 +605,7 @@ class DiskStore:
         with self._lock:
             expected = self._index.size_of(key)
         try:
-            data = _read_file(path, expected, self._index.capacity, self._secret)
+            data = self._files.read(key, expected, self._index.capacity, self._secret)
             decoded = decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
@@ -878,13 +647,13 @@ class DiskStore:
                 rec.cancelled = True
             self._deleting.update(doomed)
         self._unlink_keys(doomed)
-        for _, entry in self._scan():  # files this instance never indexed
+        for _, entry in self._files.scan():  # files this instance never indexed
             if entry.name.endswith(SUFFIX):
                 key = self._parse(entry.name[: -len(SUFFIX)])
                 with self._lock:
                     skip = key is not None and (key in self._index or key in self._pending)
                 if not skip:
-                    _unlink(entry.path)
+                    unlink(entry.path)
         self._publish()
 
     def _drop(self, key: CacheKey, unlink: bool) -> None:
@@ -904,7 +673,7 @@ class DiskStore:
         if not keys:
             return
         for key in keys:
-            _unlink(self.path_of(key))
+            self._files.unlink_key(key)
         with self._lock:
             self._deleting.difference_update(keys)
 
@@ -956,4 +725,4 @@ class DiskStore:
         metrics.set_gauge("raykv_entries", len(self._index), tier=TIER_DISK, policy=policy)
 
 
-__all__ = ["DiskStore", "check_owner", "layout_digest", "record_size"]
+__all__ = ["DiskStore", "layout_digest", "record_size"]

@@ -27,7 +27,8 @@ from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.factory import shutdown_namespace
 from raykv.errors import InvalidInputError
 from raykv.payload import LAYOUT_KV_2LTD, PayloadMeta, encode
-from raykv.tiers.disk import SUFFIX, layout_digest
+from raykv.tiers.chunkfiles import SUFFIX
+from raykv.tiers.disk import layout_digest
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Workers cannot import test modules: ship this module's actors and helpers by value.

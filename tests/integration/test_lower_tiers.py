@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+import raykv_testing
 import redis
 from raykv_testing import TEST_NAMESPACE, RedisServer, chunk_key, seeded_chunk
 
@@ -32,6 +33,7 @@ from raykv.tiers.remote import RemoteStore
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Workers cannot import test modules: ship this module's actors and helpers by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(raykv_testing)  # its factories travel with us too
 
 TIERS = ["disk", "ray", "redis"]
 CAPACITY = 1 << 20

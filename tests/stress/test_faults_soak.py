@@ -27,7 +27,7 @@ from soak_workload import C, Corpus, Workload, chunk_tensor, sigkill_actor, wait
 import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.factory import shutdown_namespace
-from raykv.tiers.disk import SUFFIX
+from raykv.tiers.chunkfiles import SUFFIX
 from raykv.wire import PackedSpans
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("ray_session")]

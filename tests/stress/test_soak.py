@@ -39,7 +39,7 @@ import raykv
 from raykv.actors.base import STORAGE_MANAGER_NAME
 from raykv.actors.common import HANDOUT_HOLD_BYTES
 from raykv.actors.factory import shutdown_namespace
-from raykv.tiers.disk import SUFFIX, TMP_SUFFIX
+from raykv.tiers.chunkfiles import SUFFIX, TMP_SUFFIX
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("ray_session")]
 

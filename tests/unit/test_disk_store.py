@@ -13,6 +13,7 @@ import pytest
 from raykv_testing import seeded_chunk
 
 from raykv.keys import make_key
+from raykv.tiers import chunkfiles as cf
 from raykv.tiers import disk as ds
 from raykv.tiers.disk import DiskStore, layout_digest
 
@@ -22,6 +23,53 @@ def key(i: int, model: str = "m"):
 
 
 chunk = seeded_chunk
+
+
+class GatedFiles(cf.ChunkFiles):
+    """A slow disk: every write waits for `gate` (set it to let writes finish)."""
+
+    gate = threading.Event()
+
+    def write(self, key, tmp_path, parts):
+        self.gate.wait(10)
+        return super().write(key, tmp_path, parts)
+
+
+class FullFiles(cf.ChunkFiles):
+    """A disk with no space left while `full` is set: writes fail, nothing is written."""
+
+    full = True
+
+    def write(self, key, tmp_path, parts):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(key, tmp_path, parts)
+
+
+class TornFiles(cf.ChunkFiles):
+    """Reads see a record cut short (a torn file made visible): 7 bytes are missing."""
+
+    def read(self, key, expected_size=None, max_nbytes=cf.MAX_PAYLOAD_BYTES, secret=None):
+        return super().read(key, None, max_nbytes, secret)[:-7]
+
+
+def one_slot_store(tmp_path: Path, queue_wait_s: float) -> DiskStore:
+    """A store with one write slot on a slow disk (`GatedFiles`)."""
+    return DiskStore(
+        tmp_path,
+        1 << 20,
+        max_pending_writes=1,
+        write_workers=1,
+        queue_wait_s=queue_wait_s,
+        files=GatedFiles,
+    )
+
+
+@pytest.fixture
+def gate():
+    GatedFiles.gate = threading.Event()
+    yield GatedFiles.gate
+    GatedFiles.gate.set()
 
 
 CHUNK_BYTES = chunk(0)[0].nbytes  # 4096
@@ -75,22 +123,16 @@ def test_layout_digest_names_the_directory_so_models_never_mix(tmp_path: Path) -
     assert path.name == key(1).to_string() + ".rkv"
 
 
-def test_key_is_invisible_until_its_file_is_complete(store: DiskStore, monkeypatch) -> None:
-    release = threading.Event()
-    real = ds._write_file
-
-    def slow_write(path, parts, fsync):
-        release.wait(5)
-        real(path, parts, fsync)
-
-    monkeypatch.setattr(ds, "_write_file", slow_write)
+def test_key_is_invisible_until_its_file_is_complete(tmp_path: Path, gate) -> None:
+    store = DiskStore(tmp_path, 1 << 20, files=GatedFiles)
     ack = put(store, [1], flush=False)
     assert ack.accepted == [key(1)]
     assert store.contains([key(1)]) == [False] and store.get([key(1)]) == [None]
     assert store.stats()["pending_writes"] == 1
-    release.set()
+    gate.set()
     assert store.flush(5)
     assert store.contains([key(1)]) == [True]
+    store.close()
 
 
 def test_second_put_of_a_key_keeps_the_first(store: DiskStore) -> None:
@@ -232,40 +274,44 @@ def test_check_fix_removes_temp_and_bad_files_and_reconciles_the_index(store: Di
     assert clean["entries"] == 3
 
 
-def test_disk_full_drops_the_write_without_raising(store: DiskStore, monkeypatch) -> None:
-    def full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ds, "_write_all", full)
+def test_disk_full_drops_the_write_without_raising(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, 1 << 20, files=FullFiles)
     ack = put(store, [1])  # no exception
     assert ack.accepted == [key(1)]  # admitted; the write then failed in the background
     assert store.contains([key(1)]) == [False] and files(store, "*") == []
     st = store.stats()
     assert st["errors"] == 1 and st["used_bytes"] == 0 and st["pending_bytes"] == 0
-    monkeypatch.undo()
+    FullFiles.full = False  # space again
+    try:
+        put(store, [1])
+        assert store.contains([key(1)]) == [True]
+    finally:
+        FullFiles.full = True
+        store.close()
+
+
+def test_a_torn_file_is_a_miss_and_is_removed_never_served(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, 1 << 20, files=TornFiles)
     put(store, [1])
-    assert store.contains([key(1)]) == [True]
+    assert store.contains([key(1)]) == [True] and len(files(store)) == 1
+    assert store.get([key(1)]) == [None]  # the torn record is refused, not decoded
+    assert store.contains([key(1)]) == [False] and files(store) == []
+    assert store.stats()["errors"] == 1
+    store.close()
 
 
-def test_full_write_queue_applies_back_pressure_then_skips(tmp_path: Path, monkeypatch) -> None:
-    store = DiskStore(tmp_path, 1 << 20, max_pending_writes=1, write_workers=1, queue_wait_s=0.05)
-    release = threading.Event()
-    real = ds._write_file
-    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(5), real(*a)))
+def test_full_write_queue_applies_back_pressure_then_skips(tmp_path: Path, gate) -> None:
+    store = one_slot_store(tmp_path, queue_wait_s=0.05)
     assert put(store, [1], flush=False).accepted == [key(1)]
     ack = put(store, [2], flush=False)  # the one slot is taken: waits 50 ms, then skips
     assert ack.skipped == [key(2)] and store.stats()["skipped"] == 1
-    release.set()
+    gate.set()
     assert store.flush(5) and store.keys() == [key(1)]
+    store.close()
 
 
-def test_a_full_write_queue_costs_one_wait_per_put_not_one_per_chunk(
-    tmp_path: Path, monkeypatch
-) -> None:
-    store = DiskStore(tmp_path, 1 << 20, max_pending_writes=1, write_workers=1, queue_wait_s=0.2)
-    release = threading.Event()
-    real = ds._write_file
-    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(10), real(*a)))
+def test_a_full_write_queue_costs_one_wait_per_put_not_one_per_chunk(tmp_path: Path, gate) -> None:
+    store = one_slot_store(tmp_path, queue_wait_s=0.2)
     try:
         assert put(store, [1], flush=False).accepted == [key(1)]
         t0 = time.monotonic()
@@ -274,21 +320,20 @@ def test_a_full_write_queue_costs_one_wait_per_put_not_one_per_chunk(
         assert ack.skipped == [key(i) for i in range(2, 12)] and not ack.accepted
         assert 0.15 < took < 0.6  # one deadline, not 10 x 0.2 s
     finally:
-        release.set()
+        gate.set()
     assert store.flush(5) and store.keys() == [key(1)]
     store.close()
 
 
-def test_remove_of_a_pending_write_cancels_it(store: DiskStore, monkeypatch) -> None:
-    release = threading.Event()
-    real = ds._write_file
-    monkeypatch.setattr(ds, "_write_file", lambda *a: (release.wait(5), real(*a)))
+def test_remove_of_a_pending_write_cancels_it(tmp_path: Path, gate) -> None:
+    store = DiskStore(tmp_path, 1 << 20, files=GatedFiles)
     put(store, [1], flush=False)
     assert store.remove([key(1)]) == 0  # not held yet
-    release.set()
+    gate.set()
     assert store.flush(5)
     assert store.keys() == [] and files(store, "*") == []
     assert store.stats()["pending_bytes"] == 0
+    store.close()
 
 
 def test_wrong_sized_array_is_skipped(store: DiskStore) -> None:
@@ -377,13 +422,13 @@ def test_a_restart_removes_stale_temp_files_and_keeps_recent_ones(tmp_path: Path
     put(first, range(2))
     first.close()
     shard = Path(first.path_of(key(0))).parent
-    stale = shard / f".{key(5).to_string()}.0123456789ab{ds.TMP_SUFFIX}"  # a crashed write
-    recent = shard / f".{key(6).to_string()}.ba9876543210{ds.TMP_SUFFIX}"  # maybe a live one
-    layout = Path(first.directory) / f"{ds.LAYOUT_FILE}.deadbeef{ds.TMP_SUFFIX}"
+    stale = shard / f".{key(5).to_string()}.0123456789ab{cf.TMP_SUFFIX}"  # a crashed write
+    recent = shard / f".{key(6).to_string()}.ba9876543210{cf.TMP_SUFFIX}"  # maybe a live one
+    layout = Path(first.directory) / f"{cf.LAYOUT_FILE}.deadbeef{cf.TMP_SUFFIX}"
     for path in (stale, recent, layout):
         path.write_bytes(b"partial")
-    _age(stale, ds.STALE_TMP_SECS + 5)
-    _age(layout, ds.STALE_TMP_SECS + 5)
+    _age(stale, cf.STALE_TMP_SECS + 5)
+    _age(layout, cf.STALE_TMP_SECS + 5)
     second = DiskStore(tmp_path, 1 << 20)
     try:
         assert not stale.exists() and not layout.exists() and recent.exists()
@@ -407,7 +452,7 @@ def test_a_written_ack_names_only_chunks_whose_files_are_complete(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(ds.os, "write", full_for_chunk_2)
+    monkeypatch.setattr(cf.os, "write", full_for_chunk_2)
     keys, metas, arrays = zip(*[(key(i), *chunk(i)) for i in range(4)], strict=True)
     ack = store.put_written(list(keys), list(metas), list(arrays))
     assert ack.accepted == [key(0), key(1), key(3)] and ack.skipped == [key(2)]
@@ -421,7 +466,7 @@ def test_a_written_ack_names_only_chunks_whose_files_are_complete(
 def test_a_failed_directory_fsync_leaves_no_file_outside_the_index(tmp_path: Path, monkeypatch):
     store = DiskStore(tmp_path, 1 << 20, fsync=True)
     try:
-        monkeypatch.setattr(ds, "_fsync_dir", lambda path: (_ for _ in ()).throw(OSError(5, "EIO")))
+        monkeypatch.setattr(cf, "_fsync_dir", lambda path: (_ for _ in ()).throw(OSError(5, "EIO")))
         ack = store.put_written([key(1)], [chunk(1)[0]], [chunk(1)[1]])
         assert ack.skipped == [key(1)] and not ack.accepted
         assert files(store, "*") == [] and store.stats()["used_bytes"] == 0
