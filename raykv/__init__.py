@@ -17,7 +17,7 @@ _LAZY: dict[str, str] = {
     "KVCache": "raykv.client.kvcache",
     "KVTarget": "raykv.client.layout",
     "GPUConnector": "raykv.connector",
-    "PageConnector": "raykv.connector",
+    "PageConnector": "raykv.page_connector",
     "RayKVConfig": "raykv.config",
     "shutdown_namespace": "raykv.actors.factory",
     "CacheKey": "raykv.keys",
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from raykv.client.kvcache import KVCache, connect
     from raykv.client.layout import KVTarget
     from raykv.config import RayKVConfig
-    from raykv.connector import GPUConnector, PageConnector
+    from raykv.connector import GPUConnector
     from raykv.errors import (
         ConfigError,
         InvalidInputError,
@@ -76,4 +76,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
         RayKVError,
     )
     from raykv.keys import CacheKey, ChunkSpan, KeyMaker
+    from raykv.page_connector import PageConnector
     from raykv.payload import PayloadMeta

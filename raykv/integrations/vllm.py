@@ -35,6 +35,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
 - save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
   and the object-store put and manager call run on a saver thread.
 
+The engine's `RayKVConfig` and the chunk keys (vLLM's block hashes) are built in
+`raykv.integrations.vllm_setup`.
+
 `load_mode: sync` copies a hit's blocks in the step that schedules the request, before
 its forward pass (every running request waits for that copy).
 
@@ -47,17 +50,15 @@ is folded into the key's model name, so pages of one layout never reach another.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,9 +78,14 @@ except ImportError:  # pragma: no cover - depends on the vLLM version
 
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
-from raykv.config import RayKVConfig
-from raykv.connector import PageConnector
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
+from raykv.integrations.vllm_setup import (
+    block_hashes_shared,
+    chunk_hashes,
+    raykv_config,
+    worker_rank,
+)
+from raykv.page_connector import PageConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,10 +102,6 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_SAVE_BYTES = 1 << 30
 # Save buffers kept warm for the next steps' copies once the cache has the bytes.
 SAVE_POOL_BYTES = 256 << 20
-# Folded into every key's model name: chunks keyed by an older scheme miss, never hit.
-# 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
-KEY_VERSION = "keys-2"
-_MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _HIT_SOURCES: dict[str, Any] = (
     {}
     if CacheHitSource is None
@@ -110,132 +112,6 @@ _HIT_SOURCES: dict[str, Any] = (
         "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
     }
 )
-
-
-# ----- configuration -----
-
-
-def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RayKVConfig:
-    """The `RayKVConfig` of one engine: extra config over `RAYKV_*` env over the YAML file,
-    with the key identity (model + layout fingerprint, dtype, TP world) taken from vLLM."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    known = {f.name for f in fields(RayKVConfig)}
-    unknown = sorted(set(extra) - known)
-    if unknown:
-        raise ConfigError(
-            f"kv_connector_extra_config has unknown key(s) {unknown}; allowed: RayKVConfig "
-            f"fields ({', '.join(sorted(known))})"
-        )
-    config = RayKVConfig.load(**extra)
-    spec, n_layers = _attention_spec(kv_cache_config)
-    block_size = vllm_config.cache_config.block_size
-    if spec.block_size != block_size:
-        raise ConfigError(
-            f"vLLM's KV spec block size {spec.block_size} != cache_config.block_size "
-            f"{block_size}: the raykv connector needs one block size"
-        )
-    if config.chunk_size % block_size:
-        raise ConfigError(
-            f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
-            f"{block_size} (raykv loads and saves whole blocks)"
-        )
-    if config.save_unfull_chunk:
-        raise ConfigError("save_unfull_chunk: true is not supported by the vLLM connector")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    parallel = vllm_config.parallel_config
-    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    model = config.model_name if "model_name" in extra else vllm_config.model_config.model
-    fingerprint = "|".join(
-        str(part)
-        for part in (
-            KEY_VERSION,
-            _vllm_version(),
-            _device_type(),
-            getattr(vllm_config.attention_config, "backend", None) or "auto",
-            getattr(kv_cache_config, "kv_cache_layout", None),
-            type(spec).__name__,
-            block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            getattr(spec, "head_size_v", spec.head_size),
-            dtype,
-            n_layers,
-            model,
-            getattr(vllm_config.model_config, "revision", None),
-        )
-    )
-    readable = _MODEL_CHARS.sub("_", str(model).rstrip("/").rsplit("/", 1)[-1])[-48:] or "model"
-    return config.replace(
-        model_name=f"{readable}~vllm-{xxhash.xxh64_hexdigest(fingerprint.encode())}",
-        kv_dtype=dtype,
-        world_size=world,
-        worker_id=0,
-    )
-
-
-def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"the raykv connector supports one KV cache group (full attention), "
-            f"this model has {len(groups)}"
-        )
-    spec = groups[0].kv_cache_spec
-    for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
-        if not hasattr(spec, attr):
-            raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}: no {attr}")
-    return spec, len(groups[0].layer_names)
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return "vllm-" + ".".join(vllm.__version__.split(".")[:2])
-
-
-def _device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-def _worker_rank(config: RayKVConfig) -> int:
-    """This worker's place in the TP x PP world (0 outside a worker)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp = get_tp_group()
-        return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
-    except (AssertionError, ImportError, AttributeError):
-        return 0
-
-
-# ----- keys: vLLM's own block hashes -----
-
-
-def block_hashes_shared(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM's block hashes agree across processes (so raykv can key on them).
-
-    vLLM chains its block hashes from a seed: PYTHONHASHSEED if set, else a fixed one for
-    sha256 (its default) and fresh random bytes for xxhash, whose collision resistance
-    rests on a secret seed."""
-    import os
-
-    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-    return os.environ.get("PYTHONHASHSEED") is not None or not algo.startswith("xxhash")
-
-
-def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> list[bytes]:
-    """vLLM's block hash at the end of each whole chunk of `request`'s first `n_tokens`.
-
-    A block hash chains over the whole prefix and folds in everything vLLM keys a block
-    on: the token ids, the LoRA adapter, multimodal inputs, prompt embeds and the
-    request's `cache_salt`. So two requests share a chunk only where vLLM's own prefix
-    cache would share the block."""
-    hashes = request.block_hashes
-    per_chunk = chunk // hash_block
-    n = min(n_tokens // chunk, len(hashes) // per_chunk)
-    return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
 
 
 # ----- metadata from scheduler to workers -----
@@ -317,7 +193,7 @@ class RayKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = raykv_config(vllm_config, kv_cache_config)
         if role == KVConnectorRole.WORKER:
-            config = config.replace(worker_id=_worker_rank(config))
+            config = config.replace(worker_id=worker_rank(config))
         self.config = config
         self._block_size = vllm_config.cache_config.block_size
         self._hash_block = getattr(kv_cache_config, "hash_block_size", None) or self._block_size

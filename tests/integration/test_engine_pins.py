@@ -22,8 +22,8 @@ from raykv_testing import kv_for
 import raykv
 from raykv.actors.factory import shutdown_namespace
 from raykv.client.kvcache import attach_ray
-from raykv.connector import PageConnector
 from raykv.errors import InvalidInputError
+from raykv.page_connector import PageConnector
 from raykv.payload import LAYOUT_PAGES, PayloadMeta
 
 pytestmark = pytest.mark.usefixtures("ray_session")

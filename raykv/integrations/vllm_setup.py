@@ -1,0 +1,163 @@
+"""How raykv's vLLM connector sets itself up from vLLM's config, and its chunk keys.
+
+`raykv_config`: the `RayKVConfig` of an engine (its `kv_connector_extra_config` over
+`RAYKV_*` env and `RAYKV_CONFIG_FILE`), with a layout fingerprint folded into the keys'
+model name. `chunk_hashes`: a request's chunk keys are vLLM's own block hashes at chunk
+ends (so LoRA adapter, multimodal inputs, prompt embeds and `cache_salt` are in them);
+`block_hashes_shared` says whether those hashes agree across processes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from raykv.config import RayKVConfig
+from raykv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Folded into every key's model name: chunks keyed by an older scheme miss, never hit.
+# 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
+KEY_VERSION = "keys-2"
+_MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+# ----- configuration -----
+
+
+def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> RayKVConfig:
+    """The `RayKVConfig` of one engine: extra config over `RAYKV_*` env over the YAML file,
+    with the key identity (model + layout fingerprint, dtype, TP world) taken from vLLM."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    known = {f.name for f in fields(RayKVConfig)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has unknown key(s) {unknown}; allowed: RayKVConfig "
+            f"fields ({', '.join(sorted(known))})"
+        )
+    config = RayKVConfig.load(**extra)
+    spec, n_layers = _attention_spec(kv_cache_config)
+    block_size = vllm_config.cache_config.block_size
+    if spec.block_size != block_size:
+        raise ConfigError(
+            f"vLLM's KV spec block size {spec.block_size} != cache_config.block_size "
+            f"{block_size}: the raykv connector needs one block size"
+        )
+    if config.chunk_size % block_size:
+        raise ConfigError(
+            f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
+            f"{block_size} (raykv loads and saves whole blocks)"
+        )
+    if config.save_unfull_chunk:
+        raise ConfigError("save_unfull_chunk: true is not supported by the vLLM connector")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    parallel = vllm_config.parallel_config
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    model = config.model_name if "model_name" in extra else vllm_config.model_config.model
+    fingerprint = "|".join(
+        str(part)
+        for part in (
+            KEY_VERSION,
+            _vllm_version(),
+            _device_type(),
+            getattr(vllm_config.attention_config, "backend", None) or "auto",
+            getattr(kv_cache_config, "kv_cache_layout", None),
+            type(spec).__name__,
+            block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            getattr(spec, "head_size_v", spec.head_size),
+            dtype,
+            n_layers,
+            model,
+            getattr(vllm_config.model_config, "revision", None),
+        )
+    )
+    readable = _MODEL_CHARS.sub("_", str(model).rstrip("/").rsplit("/", 1)[-1])[-48:] or "model"
+    return config.replace(
+        model_name=f"{readable}~vllm-{xxhash.xxh64_hexdigest(fingerprint.encode())}",
+        kv_dtype=dtype,
+        world_size=world,
+        worker_id=0,
+    )
+
+
+def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"the raykv connector supports one KV cache group (full attention), "
+            f"this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    for attr in ("block_size", "num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}: no {attr}")
+    return spec, len(groups[0].layer_names)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return "vllm-" + ".".join(vllm.__version__.split(".")[:2])
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def worker_rank(config: RayKVConfig) -> int:
+    """This worker's place in the TP x PP world (0 outside a worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp = get_tp_group()
+        return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+    except (AssertionError, ImportError, AttributeError):
+        return 0
+
+
+# ----- keys: vLLM's own block hashes -----
+
+
+def block_hashes_shared(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's block hashes agree across processes (so raykv can key on them).
+
+    vLLM chains its block hashes from a seed: PYTHONHASHSEED if set, else a fixed one for
+    sha256 (its default) and fresh random bytes for xxhash, whose collision resistance
+    rests on a secret seed."""
+    import os
+
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    return os.environ.get("PYTHONHASHSEED") is not None or not algo.startswith("xxhash")
+
+
+def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> list[bytes]:
+    """vLLM's block hash at the end of each whole chunk of `request`'s first `n_tokens`.
+
+    A block hash chains over the whole prefix and folds in everything vLLM keys a block
+    on: the token ids, the LoRA adapter, multimodal inputs, prompt embeds and the
+    request's `cache_salt`. So two requests share a chunk only where vLLM's own prefix
+    cache would share the block."""
+    hashes = request.block_hashes
+    per_chunk = chunk // hash_block
+    n = min(n_tokens // chunk, len(hashes) // per_chunk)
+    return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
+
+
+__all__ = [
+    "KEY_VERSION",
+    "block_hashes_shared",
+    "chunk_hashes",
+    "raykv_config",
+    "worker_rank",
+]
