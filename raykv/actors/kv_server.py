@@ -14,15 +14,18 @@ tested without Ray.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
+import numpy as np
 import ray
 
 from raykv.actors.common import actor_options, named_actor, resolve_batch
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.kv_server import KVServerState
+from raykv.tiers.remote import RemoteStore
 from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, unpack_keys
 
 logger = logging.getLogger(__name__)
@@ -101,4 +104,91 @@ def get_or_create_kv_server(
     return named_actor(KVServer, options, config.max_remote_bytes, config.policy_for(TIER_REMOTE))
 
 
-__all__ = ["KVServer", "KVServerState", "get_or_create_kv_server"]
+# ----- the remote tier's back end for ray:// servers -----
+
+
+def _packed(keys: list[CacheKey]) -> bytes | list[CacheKey]:
+    """`keys` as a `contains` call sends them: `PackedKeys` bytes when they share one
+    identity (one bytes argument is the cheapest for Ray)."""
+    packed = PackedKeys.of(keys)
+    return packed.wire() if isinstance(packed, PackedKeys) else packed
+
+
+class RayServerBackend:
+    """Calls the `KVServer` actor named by `ray://NAME` (created detached if missing).
+
+    The config fields `kv_server_node_id` (a node id) or `kv_server_resources` (a custom
+    resource name or `{name: amount}`) place a server this creates.
+    """
+
+    scheme = "ray"
+
+    def __init__(self, url: str, config: Any, timeout_s: float) -> None:
+        self.masked_url = url
+        self.name = url[len("ray://") :]
+        self._server = get_or_create_kv_server(
+            self.name,
+            config,
+            node_id=config.kv_server_node_id,
+            resources=config.kv_server_resources,
+        )
+
+    def __repr__(self) -> str:
+        return f"RayServerBackend({self.masked_url!r})"
+
+    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+        # A list of refs travels as is: the server pulls the batch from its owner itself.
+        return await self._server.put.remote(keys, metas, batch)
+
+    async def get_batch(
+        self, keys: list[CacheKey]
+    ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
+        metas_ref, arrays_ref = self._server.get_batch.options(num_returns=2).remote(keys)
+        metas, arrays = await asyncio.gather(metas_ref, arrays_ref)
+        return metas, arrays
+
+    async def contains(self, keys: list[CacheKey]) -> list[bool]:
+        return await self._server.contains.remote(_packed(keys))
+
+    def contains_blocking(self, keys: list[CacheKey], timeout: float) -> list[bool]:
+        """`contains` waited for on the calling thread: a lookup on one of the manager's
+        Ray threads asks the server without two hops through its event loop."""
+        return ray.get(self._server.contains.remote(_packed(keys)), timeout=timeout)
+
+    async def remove(self, keys: list[CacheKey]) -> int:
+        return await self._server.remove.remote(keys)
+
+    async def keys(self) -> list[CacheKey]:
+        return await self._server.keys.remote()
+
+    async def clear(self) -> None:
+        await self._server.clear.remote()
+
+    async def stats(self) -> dict[str, Any]:
+        out = await self._server.stats.remote()
+        out["url"] = self.masked_url
+        out["server_incarnation"] = out.pop("incarnation", None)
+        return out
+
+    async def server_id(self) -> str:
+        return await self._server.incarnation.remote()
+
+    async def close(self) -> None:
+        return None
+
+
+def open_remote(config: Any, timeout_s: float | None = None) -> RemoteStore:
+    """The remote tier of `config.remote_url`: a `ray://` server through its actor, any
+    other scheme through the tier core's own back ends."""
+    url = config.remote_url or ""
+    backend = RayServerBackend(url, config, timeout_s or 0.0) if url.startswith("ray://") else None
+    return RemoteStore(config, backend=backend, timeout_s=timeout_s)
+
+
+__all__ = [
+    "KVServer",
+    "KVServerState",
+    "RayServerBackend",
+    "get_or_create_kv_server",
+    "open_remote",
+]

@@ -13,6 +13,7 @@ import ray
 
 from raykv.actors.base import REMOTE_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor
+from raykv.actors.kv_server import open_remote
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.memory import reuse_freed_buffers
@@ -34,7 +35,7 @@ class RemoteStoreActor:
 
     def __init__(self, config: Any, timeout_s: float | None = None) -> None:
         reuse_freed_buffers()  # every read decodes into fresh chunk-sized buffers
-        self._store = RemoteStore(config, timeout_s=timeout_s)
+        self._store = open_remote(config, timeout_s=timeout_s)
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
         return f"RemoteStoreActor({self._store.url})"

@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError
 from raykv import metrics
 from raykv.actors.common import HandoutHold
 from raykv.actors.factory import create_tier, get_or_create_tiers
+from raykv.actors.kv_server import open_remote
 from raykv.actors.peers import ControllerLink
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
@@ -207,7 +208,7 @@ class TierSet:
         if self._probe is None:
             timeout = self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE
             try:
-                self._probe = RemoteStore(self._config, timeout_s=timeout)
+                self._probe = open_remote(self._config, timeout_s=timeout)
             except Exception as exc:
                 self.remote_error("contains", exc)
                 return 0

@@ -1,9 +1,9 @@
 """The remote tier: `RemoteStore` (timeouts, error counting, back-off) over a back end
-chosen by the scheme of `remote_url`. No Ray import: `RayServerBackend` only calls actor
-handles (awaiting their refs), and `ray.ObjectRef`s in a put batch are resolved only when
-Ray is loaded.
+chosen by the scheme of `remote_url`. No Ray import, lazy or not: `ray.ObjectRef`s in a
+put batch are resolved only when Ray is loaded.
 
-* `ray://NAME` -> `RayServerBackend`: calls a named detached `KVServer` actor.
+* `ray://NAME` -> `raykv.actors.kv_server.RayServerBackend` (calls a named detached
+  `KVServer` actor), handed to `RemoteStore` by the actor shells (`open_remote`).
 * `redis://[[user]:password@]host:port/db`, `rediss://...` -> `RedisBackend`: a real
   Redis/Valkey server through `redis.asyncio`; values are `raykv.payload` codec records
   with the key string embedded, checked on read (no pickle anywhere).
@@ -42,7 +42,7 @@ from raykv.payload import (
     encode,
 )
 from raykv.tiers.budget import check_put_lengths
-from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, join_parts, split_batch
+from raykv.wire import TIER_REMOTE, PutAck, join_parts, split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -308,80 +308,6 @@ class RedisBackend:
         await self._client.aclose()
 
 
-def _packed(keys: list[CacheKey]) -> bytes | list[CacheKey]:
-    """`keys` as a `contains` call sends them: `PackedKeys` bytes when they share one
-    identity (one bytes argument is the cheapest for Ray)."""
-    packed = PackedKeys.of(keys)
-    return packed.wire() if isinstance(packed, PackedKeys) else packed
-
-
-class RayServerBackend:
-    """Calls the `KVServer` actor named by `ray://NAME` (created detached if missing).
-
-    The config fields `kv_server_node_id` (a node id) or `kv_server_resources` (a custom
-    resource name or `{name: amount}`) place a server this creates.
-    """
-
-    scheme = "ray"
-
-    def __init__(self, url: str, config: Any, timeout_s: float) -> None:
-        from raykv.actors.kv_server import get_or_create_kv_server
-
-        self.masked_url = url
-        self.name = url[len("ray://") :]
-        self._server = get_or_create_kv_server(
-            self.name,
-            config,
-            node_id=config.kv_server_node_id,
-            resources=config.kv_server_resources,
-        )
-
-    def __repr__(self) -> str:
-        return f"RayServerBackend({self.masked_url!r})"
-
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
-        # A list of refs travels as is: the server pulls the batch from its owner itself.
-        return await self._server.put.remote(keys, metas, batch)
-
-    async def get_batch(
-        self, keys: list[CacheKey]
-    ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:
-        metas_ref, arrays_ref = self._server.get_batch.options(num_returns=2).remote(keys)
-        metas, arrays = await asyncio.gather(metas_ref, arrays_ref)
-        return metas, arrays
-
-    async def contains(self, keys: list[CacheKey]) -> list[bool]:
-        return await self._server.contains.remote(_packed(keys))
-
-    def contains_blocking(self, keys: list[CacheKey], timeout: float) -> list[bool]:
-        """`contains` waited for on the calling thread: a lookup on one of the manager's
-        Ray threads asks the server without two hops through its event loop."""
-        import ray
-
-        return ray.get(self._server.contains.remote(_packed(keys)), timeout=timeout)
-
-    async def remove(self, keys: list[CacheKey]) -> int:
-        return await self._server.remove.remote(keys)
-
-    async def keys(self) -> list[CacheKey]:
-        return await self._server.keys.remote()
-
-    async def clear(self) -> None:
-        await self._server.clear.remote()
-
-    async def stats(self) -> dict[str, Any]:
-        out = await self._server.stats.remote()
-        out["url"] = self.masked_url
-        out["server_incarnation"] = out.pop("incarnation", None)
-        return out
-
-    async def server_id(self) -> str:
-        return await self._server.incarnation.remote()
-
-    async def close(self) -> None:
-        return None
-
-
 class RemoteStore:
     """The remote tier's logic: a back end behind timeouts, error counting and back-off.
 
@@ -570,9 +496,9 @@ class RemoteStore:
             logger.debug("remote tier %s: close failed: %s", self.url, self._scrub(str(exc)))
 
 
-# scheme -> back end class (a registry, not if/elif).
+# scheme -> back end class (a registry, not if/elif). `ray://` servers are actors: their
+# back end (`raykv.actors.kv_server.RayServerBackend`) is handed in by the actor shells.
 BACKENDS: dict[str, type] = {
-    "ray": RayServerBackend,
     "redis": RedisBackend,
     "rediss": RedisBackend,
 }
@@ -581,11 +507,15 @@ BACKENDS: dict[str, type] = {
 def make_backend(url: str, config: Any, timeout_s: float) -> RemoteBackend:
     """The back end for `url`; an unknown scheme lists the known ones."""
     scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme == "ray":
+        raise InvalidInputError(
+            "a ray:// remote is a Ray actor: open it with raykv.actors.kv_server.open_remote"
+        )
     cls = BACKENDS.get(scheme)
     if cls is None:
         raise InvalidInputError(
             f"unknown remote_url scheme {scheme or '(none)'!r} in {mask_url(url)!r}; "
-            f"known: {', '.join(sorted(BACKENDS))}"
+            f"known: {', '.join(sorted([*BACKENDS, 'ray']))}"
         )
     return cls(url, config, timeout_s)
 
@@ -593,7 +523,6 @@ def make_backend(url: str, config: Any, timeout_s: float) -> RemoteBackend:
 __all__ = [
     "BACKENDS",
     "RemoteStore",
-    "RayServerBackend",
     "RedisBackend",
     "RemoteBackend",
     "make_backend",

@@ -6,6 +6,7 @@ import contextlib
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,35 @@ def test_a_subcommand_imports_only_its_own_module_and_help_lists_all():
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         cli_main(["--help"])
     assert all(name in out.getvalue() for name in ("config", "simulate", "stats"))
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a source file imports, at the top or inside a function."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_tier_core_never_imports_ray_or_the_actors_not_even_lazily():
+    tiers = Path(raykv.__file__).parent / "tiers"
+    for path in sorted(tiers.glob("*.py")):
+        bad = sorted(
+            n for n in _imports(path) if n.split(".")[0] == "ray" or n.startswith("raykv.actors")
+        )
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_no_module_of_the_package_is_over_800_lines():
+    root = Path(raykv.__file__).parent
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 800
+    }
+    assert not long, f"split these modules: {long}"
