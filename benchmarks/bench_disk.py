@@ -44,10 +44,10 @@ from benchmarks._util import (
     repeat_seconds,
     spread,
 )
+from raykv.actors.memory import reuse_freed_buffers
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta, encode
 from raykv.tiers.disk import SUFFIX, DiskStore, layout_digest
-from raykv.tiers.memory import reuse_freed_buffers
 
 MiB = 1 << 20
 # The DiskStore below runs 2 writer and 2 reader threads (its defaults); the plain

@@ -8,10 +8,10 @@ import ray
 
 from raykv.actors.base import DISK_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor, resolve_batch
+from raykv.actors.memory import reuse_freed_buffers
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.disk import DiskStore
-from raykv.tiers.memory import reuse_freed_buffers
 from raykv.wire import PutAck
 
 # Threads of the disk actor's concurrency groups: puts (may wait on the write queue) and reads.

@@ -14,9 +14,9 @@ import ray
 from raykv.actors.base import REMOTE_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor
 from raykv.actors.kv_server import open_remote
+from raykv.actors.memory import reuse_freed_buffers
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
-from raykv.tiers.memory import reuse_freed_buffers
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import PackedKeys, PutAck, unpack_keys
 

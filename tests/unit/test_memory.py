@@ -16,7 +16,7 @@ import numpy as np
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.disk import DiskStore
-from raykv.tiers.memory import reuse_freed_buffers
+from raykv.actors.memory import reuse_freed_buffers
 
 applied = reuse_freed_buffers() if sys.argv[1] == "on" else None
 meta = PayloadMeta("uint8", (2, 1, 1024, 1024))  # 2 MiB chunks
