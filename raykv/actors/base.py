@@ -26,5 +26,12 @@ DISK_STORE_NAME = "raykv-disk-store"
 REMOTE_STORE_NAME = "raykv-remote-store"
 CONTROLLER_NAME = "raykv-controller"
 
+
+def actor_name(base: str, node_id: str | None = None) -> str:
+    """The name of a raykv actor: `base`, or `<base>-<node_id[:12]>` for a node-scoped
+    one (one per node). The one place actor names are built."""
+    return f"{base}-{node_id[:12]}" if node_id else base
+
+
 # Restart policy of every raykv actor: restart forever, retry calls in flight.
 ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": -1, "max_task_retries": -1}

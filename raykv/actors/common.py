@@ -12,7 +12,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raykv.actors.base import ACTOR_OPTIONS
+from raykv.actors.base import ACTOR_OPTIONS, actor_name
 from raykv.errors import ConfigError
 from raykv.wire import join_parts, split_batch
 
@@ -79,11 +79,6 @@ def resolve_batch(batch: Any) -> list[np.ndarray]:
     """The arrays of a put's batch (see `raykv.wire.split_batch`); zero-copy on one node."""
     refs, arrays = split_batch(batch, ray.ObjectRef)
     return join_parts(ray.get(refs)) if refs else arrays
-
-
-def node_scoped_name(base: str, node_id: str) -> str:
-    """The name of a node-scoped actor: `<base>-<node_id[:12]>`."""
-    return f"{base}-{node_id[:12]}"
 
 
 def actor_options(
@@ -161,7 +156,7 @@ def get_or_create_node_actor(
     """The node-scoped tier actor `<base_name>-<node_id[:12]>` of `node_id` (default: this
     node), created if missing and pinned to its node (see `actor_options`)."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    options = actor_options(name or node_scoped_name(base_name, node_id), namespace, node_id)
+    options = actor_options(name or actor_name(base_name, node_id), namespace, node_id)
     return named_actor(actor_cls, options, *args, **kwargs)
 
 
@@ -171,6 +166,5 @@ __all__ = [
     "check_actor_class",
     "get_or_create_node_actor",
     "named_actor",
-    "node_scoped_name",
     "resolve_batch",
 ]

@@ -17,15 +17,11 @@ from raykv.actors.base import (
     DISK_STORE_NAME,
     REMOTE_STORE_NAME,
     STORAGE_MANAGER_NAME,
+    actor_name,
 )
-from raykv.actors.common import actor_options, named_actor, node_scoped_name
+from raykv.actors.common import actor_options, named_actor
 from raykv.config import RayKVConfig
 from raykv.wire import TIER_CPU, TIER_DISK, TIER_ORDER, TIER_REMOTE
-
-
-def scoped(base: str, node_id: str | None) -> str:
-    """`base`, or its node-scoped form for `node_id`."""
-    return node_scoped_name(base, node_id) if node_id else base
 
 
 def create_tier(config: RayKVConfig, tier: str, node_id: str | None = None) -> Any:
@@ -40,7 +36,7 @@ def create_tier(config: RayKVConfig, tier: str, node_id: str | None = None) -> A
 
         return named_actor(
             CPUStoreActor,
-            actor_options(scoped(CPU_STORE_NAME, node_id), config.namespace, node_id),
+            actor_options(actor_name(CPU_STORE_NAME, node_id), config.namespace, node_id),
             config.max_local_cpu_bytes,
             config.policy_for(TIER_CPU),
             blocking_timeout_secs=config.blocking_timeout_secs,
@@ -105,6 +101,5 @@ __all__ = [
     "create_tier",
     "enabled_tiers",
     "get_or_create_tiers",
-    "scoped",
     "shutdown_namespace",
 ]

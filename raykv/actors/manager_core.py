@@ -31,10 +31,7 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from raykv import metrics
-from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.factory import (
-    scoped,
-)
+from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
 from raykv.actors.peers import ControllerLink
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
@@ -117,7 +114,7 @@ class ManagerCore:
     def __init__(self, config: RayKVConfig, node_id: str | None = None) -> None:
         self._config = config
         self._node_id = node_id
-        self._name = scoped(STORAGE_MANAGER_NAME, node_id)
+        self._name = actor_name(STORAGE_MANAGER_NAME, node_id)
         link = None
         if config.enable_controller:
             instance = node_id or ray.get_runtime_context().get_node_id()

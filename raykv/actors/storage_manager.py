@@ -17,9 +17,9 @@ from typing import Any
 
 import ray
 
-from raykv.actors.base import STORAGE_MANAGER_NAME
-from raykv.actors.common import named_actor, node_scoped_name
-from raykv.actors.factory import actor_options, scoped
+from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
+from raykv.actors.common import named_actor
+from raykv.actors.factory import actor_options
 from raykv.actors.manager_core import ManagerCore, RemoteProbe
 from raykv.config import RayKVConfig
 from raykv.keys import ChunkSpan
@@ -30,14 +30,9 @@ def get_or_create_manager(config: RayKVConfig, node_id: str | None = None) -> An
     """The `StorageManager` of `config.namespace` (detached); it creates or attaches its
     tiers. With `node_id` it is that node's manager (`raykv-storage-manager-<node>`, with
     its own CPU store, both pinned to the node): one cache instance per node."""
-    name = scoped(STORAGE_MANAGER_NAME, node_id)
+    name = actor_name(STORAGE_MANAGER_NAME, node_id)
     options = actor_options(name, config.namespace, node_id)
     return named_actor(StorageManager, options, config, node_id)
-
-
-def manager_name(node_id: str) -> str:
-    """The name of `node_id`'s node-scoped storage manager."""
-    return node_scoped_name(STORAGE_MANAGER_NAME, node_id)
 
 
 class _LoopLock(selectors.DefaultSelector):
@@ -186,5 +181,4 @@ __all__ = [
     "ManagerCore",
     "StorageManager",
     "get_or_create_manager",
-    "manager_name",
 ]

@@ -12,10 +12,11 @@ import torch
 from ray.experimental import get_object_locations
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
 from raykv.actors.controller import wait_listed
 from raykv.actors.factory import shutdown_namespace
 from raykv.actors.kv_server import get_or_create_kv_server
-from raykv.actors.storage_manager import get_or_create_manager, manager_name
+from raykv.actors.storage_manager import get_or_create_manager
 from raykv.client.kvcache import KVCache
 from raykv.config import RayKVConfig
 from raykv.wire import RetrieveResult
@@ -79,7 +80,7 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         a, b = _caches(cfg, cluster)
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
         for node in (cluster.a, cluster.b):  # one manager and CPU store per node
-            assert manager_name(node) in names
+            assert actor_name(STORAGE_MANAGER_NAME, node) in names
             assert f"raykv-cpu-store-{node[:12]}" in names
         # 512 KiB: over Ray's 100 KiB inline limit, so the batch is a plasma object.
         tokens, kv = _prompt(2, hidden=512)
@@ -117,7 +118,10 @@ def test_killing_node_a_stores_leaves_node_b_correct(cluster):
         a.store(other, other_kv)
         assert a.flush(30)
         _wait_known(cfg, a, tokens, cluster.a)
-        for name in (manager_name(cluster.a), f"raykv-cpu-store-{cluster.a[:12]}"):
+        for name in (
+            actor_name(STORAGE_MANAGER_NAME, cluster.a),
+            f"raykv-cpu-store-{cluster.a[:12]}",
+        ):
             ray.kill(ray.get_actor(name, namespace=cfg.namespace), no_restart=True)
         # The controller still lists A: B's peer fetch fails, the remote serves the rest.
         out = torch.zeros_like(kv)
@@ -169,7 +173,7 @@ def test_connect_with_the_controller_attaches_to_the_callers_node_manager(cluste
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a.get("namespace") == cfg.namespace
         }
-        assert manager_name(cluster.a) in names
+        assert actor_name(STORAGE_MANAGER_NAME, cluster.a) in names
         helper = KVCache(cfg, get_or_create_manager(cfg, cluster.a))
         _wait_known(cfg, helper, tokens, cluster.a)
         tiers, got = ray.get(client_b.retrieve.remote(tokens, tuple(kv.shape)))
