@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan, KeyIdentity
 
 if TYPE_CHECKING:
@@ -31,6 +32,24 @@ TIER_CPU = "cpu"
 TIER_DISK = "disk"
 TIER_REMOTE = "remote"
 TIER_ORDER = (TIER_CPU, TIER_DISK, TIER_REMOTE)
+# The peer tier: another node's CPU tier, reached through that node's manager.
+TIER_PEER = "peer"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTier:
+    """The tier of a lookup plan's segment that another node's manager serves from its
+    CPU tier (`manager`: that manager's actor name); `kind` of it is `TIER_PEER`."""
+
+    manager: str
+
+    def __str__(self) -> str:
+        return f"{TIER_PEER}:{self.manager}"
+
+
+def kind(tier: str | PeerTier) -> str:
+    """The tier name of a plan segment's tier (a `PeerTier` -> "peer")."""
+    return TIER_PEER if isinstance(tier, PeerTier) else tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +232,6 @@ def unpack_keys(keys: Sequence[CacheKey] | PackedKeys | bytes) -> list[CacheKey]
         return keys.keys()
     if not isinstance(keys, bytes | bytearray | memoryview):
         return list(keys)
-    from raykv.errors import InvalidInputError
 
     try:
         value = _unpack(keys, "keys")
@@ -385,3 +403,38 @@ class LowerTier(Protocol):
 
     def incarnation(self) -> str:
         """An id that changes when the actor restarts, so callers know to resync."""
+
+
+# ----- decoding a request's keys from any of their forms -----
+
+
+def _unwire(items: Any) -> Any:
+    """`PackedSpans` for a spans wire form (`PackedSpans.wire`), else `items` as given."""
+    try:
+        packed = PackedSpans.from_wire(items)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    return items if packed is None else packed
+
+
+def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey], list[int]]:
+    """(keys, token ends) of a request's spans (a list of `ChunkSpan`, `PackedSpans` or its
+    wire form); a clear error for anything else."""
+    spans = _unwire(spans)
+    if isinstance(spans, PackedSpans):
+        return spans.keys(), list(spans.ends)
+    try:
+        return [s.key for s in spans], [s.end for s in spans]
+    except AttributeError:
+        raise InvalidInputError(
+            "expected a list of ChunkSpan (start, end, key), e.g. from KeyMaker.keys(tokens), "
+            "or PackedSpans.of(spans)"
+        ) from None
+
+
+def as_keys(items: Sequence[CacheKey | ChunkSpan] | PackedSpans) -> list[CacheKey]:
+    """Keys of `items` (keys, spans, packed spans or their wire form)."""
+    items = _unwire(items)
+    if isinstance(items, PackedSpans):
+        return items.keys()
+    return [i.key if isinstance(i, ChunkSpan) else i for i in items]

@@ -36,16 +36,11 @@ from raykv.actors.peers import ControllerLink
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, ChunkSpan
+from raykv.keys import CacheKey, ChunkSpan, leading
 from raykv.payload import EMPTY, PayloadMeta
 from raykv.tiers.index import (
-    TIER_PEER,
     Lookup,
     Segment,
-    as_keys,
-    kind,
-    leading,
-    split_spans,
     tokens,
 )
 from raykv.tiers.lease import sweep_forever
@@ -53,11 +48,15 @@ from raykv.tiers.remote import RemoteStore
 from raykv.wire import (
     TIER_CPU,
     TIER_DISK,
+    TIER_PEER,
     TIER_REMOTE,
     CPUAck,
     PackedSpans,
     PutResult,
     RetrieveResult,
+    as_keys,
+    kind,
+    split_spans,
 )
 
 logger = logging.getLogger(__name__)

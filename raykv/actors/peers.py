@@ -24,7 +24,7 @@ from raykv.actors.controller import (
     get_or_create_controller,
 )
 from raykv.keys import CacheKey
-from raykv.tiers.index import TIER_PEER
+from raykv.wire import PeerTier
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class ControllerLink:
         self._timeout = locate_timeout_s
         self._controller = get_or_create_controller(namespace)
 
-    async def locate(self, keys: list[CacheKey]) -> tuple[str, int] | None:
-        """("peer:<manager>", chunks) of the peer holding the longest prefix of `keys` in
+    async def locate(self, keys: list[CacheKey]) -> tuple[PeerTier, int] | None:
+        """(the peer, chunks) of the peer holding the longest prefix of `keys` in
         its CPU tier, per the controller; None if none (or the controller is away)."""
         try:
             found = await asyncio.wait_for(
@@ -78,7 +78,7 @@ class ControllerLink:
                 self._controller.forget.remote(instance)  # that manager is gone
                 return None
         self._instances[name] = instance
-        return f"{TIER_PEER}:{name}", n
+        return PeerTier(name), n
 
     def lost(self, name: str) -> None:
         """A peer served none of what the controller listed (dead, or the listing was

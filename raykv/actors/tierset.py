@@ -22,11 +22,20 @@ from raykv.actors.factory import create_tier, get_or_create_tiers
 from raykv.actors.kv_server import open_remote
 from raykv.actors.peers import ControllerLink
 from raykv.config import RayKVConfig
-from raykv.keys import CacheKey
+from raykv.keys import CacheKey, leading
 from raykv.payload import PayloadMeta
-from raykv.tiers.index import TIER_PEER, PrefixIndex, kind, leading
+from raykv.tiers.index import PrefixIndex
 from raykv.tiers.remote import RemoteStore
-from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PutAck
+from raykv.wire import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_PEER,
+    TIER_REMOTE,
+    ChunkRef,
+    CPUAck,
+    PeerTier,
+    PutAck,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +257,7 @@ class TierSet:
         A pull that outlives its timeout is still applied when its reply comes (the CPU
         store may have evicted for it): the index never keeps refs the store dropped.
         """
-        peer = tier.partition(":")[2] if kind(tier) == TIER_PEER else None
+        peer = tier.manager if isinstance(tier, PeerTier) else None
         source = self.peers.get(peer) if peer else self.handles[tier]
         cpu = self.cpu
         if source is None:

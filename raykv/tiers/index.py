@@ -27,68 +27,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, ChunkSpan, leading
+from raykv.keys import CacheKey, leading
 from raykv.tiers.budget import BoundedKeySet
 from raykv.tiers.lease import Leases
 from raykv.wire import (
     TIER_CPU,
     TIER_ORDER,
+    TIER_PEER,
     TIER_REMOTE,
     ChunkRef,
     CPUAck,
-    PackedSpans,
+    PeerTier,
     PutAck,
     RetrieveResult,
+    kind,
 )
 
-# The peer tier: another node's CPU tier. A peer segment's tier is "peer:<manager name>".
-TIER_PEER = "peer"
 # Keys of the shared remote the index remembers by default (oldest forgotten first).
 REMOTE_INDEX_MAX_KEYS = 1 << 20
 
-Segment = tuple[str, int, int]  # (tier, start, stop) over a request's keys
-
-
-def kind(tier: str) -> str:
-    """The tier name of a plan segment ("peer:<manager>" -> "peer")."""
-    return TIER_PEER if tier.startswith(TIER_PEER + ":") else tier
+Segment = tuple[str | PeerTier, int, int]  # (tier, start, stop) over a request's keys
 
 
 def tokens(ends: Sequence[int], n: int) -> int:
     """Tokens covered by the first `n` chunks of a request whose chunk ends are `ends`."""
     return ends[n - 1] if n else 0
-
-
-def _unwire(items: Any) -> Any:
-    """`PackedSpans` for a spans wire form (`PackedSpans.wire`), else `items` as given."""
-    try:
-        packed = PackedSpans.from_wire(items)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
-    return items if packed is None else packed
-
-
-def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey], list[int]]:
-    """(keys, token ends) of a request's spans (a list of `ChunkSpan`, `PackedSpans` or its
-    wire form); a clear error for anything else."""
-    spans = _unwire(spans)
-    if isinstance(spans, PackedSpans):
-        return spans.keys(), list(spans.ends)
-    try:
-        return [s.key for s in spans], [s.end for s in spans]
-    except AttributeError:
-        raise InvalidInputError(
-            "expected a list of ChunkSpan (start, end, key), e.g. from KeyMaker.keys(tokens), "
-            "or PackedSpans.of(spans)"
-        ) from None
-
-
-def as_keys(items: Sequence[CacheKey | ChunkSpan] | PackedSpans) -> list[CacheKey]:
-    """Keys of `items` (keys, spans, packed spans or their wire form)."""
-    items = _unwire(items)
-    if isinstance(items, PackedSpans):
-        return items.keys()
-    return [i.key if isinstance(i, ChunkSpan) else i for i in items]
 
 
 @dataclass(slots=True)
@@ -465,12 +428,8 @@ class PrefixIndex:
 
 __all__ = [
     "REMOTE_INDEX_MAX_KEYS",
-    "TIER_PEER",
     "Lookup",
     "PrefixIndex",
-    "as_keys",
-    "kind",
     "leading",
-    "split_spans",
     "tokens",
 ]

@@ -511,8 +511,7 @@ _HASH = "0123456789abcdef" * 2
 def test_a_malformed_wire_key_form_is_an_invalid_input_error(identity: Any, hashes: Any) -> None:
     import msgpack
 
-    from raykv.tiers.index import split_spans
-    from raykv.wire import KEYS_WIRE, SPANS_WIRE, unpack_keys
+    from raykv.wire import KEYS_WIRE, SPANS_WIRE, split_spans, unpack_keys
 
     keys_form = msgpack.packb([KEYS_WIRE, identity, hashes])
     with pytest.raises(InvalidInputError, match="malformed"):
@@ -536,8 +535,7 @@ def test_a_msgpack_ext_type_in_a_wire_form_is_an_invalid_input_error() -> None:
 
 
 def test_well_formed_wire_forms_still_round_trip() -> None:
-    from raykv.tiers.index import split_spans
-    from raykv.wire import PackedKeys, PackedSpans, unpack_keys
+    from raykv.wire import PackedKeys, PackedSpans, split_spans, unpack_keys
 
     spans = KeyMaker(chunk_size=4, model_name="m").keys(list(range(1, 13)))
     keys, ends = split_spans(PackedSpans.of(spans).wire())

@@ -9,10 +9,19 @@ import pytest
 from raykv_testing import chunk_key
 
 from raykv.errors import InvalidInputError
-from raykv.keys import ChunkSpan
+from raykv.keys import ChunkSpan, leading
 from raykv.payload import PayloadMeta
-from raykv.tiers.index import PrefixIndex, leading, split_spans
-from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PackedSpans, PutAck
+from raykv.tiers.index import PrefixIndex
+from raykv.wire import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_REMOTE,
+    ChunkRef,
+    CPUAck,
+    PackedSpans,
+    PutAck,
+    split_spans,
+)
 
 META = PayloadMeta("float16", (2, 1, 4, 8))
 
@@ -142,8 +151,7 @@ def test_retrieve_result_by_ids_is_msgpack_bytes_naming_each_batch_by_object_id(
 
 
 def test_spans_wire_tuple_splits_like_the_spans_and_a_malformed_one_is_a_clear_error():
-    from raykv.tiers.index import as_keys
-    from raykv.wire import SPANS_WIRE
+    from raykv.wire import SPANS_WIRE, as_keys
 
     spans = [ChunkSpan(i * 4, i * 4 + 4, key(i)) for i in range(3)]
     wire = PackedSpans.of(spans).wire()
