@@ -148,7 +148,9 @@ def llm_config(
         }
     deployment: dict[str, Any] = {"num_replicas": replicas}
     if replicas > 1:
-        cfg = raykv.RayKVConfig(chunk_size=CHUNK, namespace=namespace)
+        # The router's key fields (the namespace matters only to CacheAwareRouter's
+        # controller, off here; a plain-vLLM arm has none).
+        cfg = raykv.RayKVConfig(chunk_size=CHUNK, namespace=namespace or "bench-no-raykv")
         options = {"tokenizer": model} if router == "cache_aware" else None
         deployment["request_router_config"] = router_config(router, cfg, options=options)
     return LLMConfig(
