@@ -16,7 +16,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
 * `A+`: vLLM alone, its pool enlarged by the bytes raykv's CPU tier has in `B` (on a CPU
   engine a user could give vLLM that memory instead: the honest baseline for `B`);
 * `B`: + raykv's CPU tier (`--tier-mib`); `C`: + raykv's disk tier only; `D`: + Redis only
-  (a redis-server on loopback), each with the same bytes;
+  (a redis-server on loopback), each with the same bytes; `B-wait0`: `B` with
+  `lookup_wait_ms: 0` (every request waits at least one engine step for its lookup);
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
@@ -85,7 +86,11 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "2-pow2": (2, "pow2", "cpu", False),
     "2-affinity": (2, "prefix_affinity", "cpu", False),
     "2-raykv": (2, "cache_aware", "cpu", False),
+    "B-wait0": (1, "pow2", "cpu", False),
 }
+# raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
+# wait for a new request's lookup (every request then waits at least one engine step).
+ARM_SETTINGS: dict[str, dict[str, Any]] = {"B-wait0": {"lookup_wait_ms": 0}}
 # Process groups whose CPU and RSS are accounted (by process title).
 GROUPS = (
     ("engine", re.compile(r"EngineCore")),
@@ -144,6 +149,7 @@ def llm_config(
                 "namespace": namespace,
                 "chunk_size": CHUNK,
                 **tier_settings(tier, args, redis_url),
+                **ARM_SETTINGS.get(arm, {}),
             },
         }
     deployment: dict[str, Any] = {"num_replicas": replicas}
@@ -350,14 +356,20 @@ def try_other_connectors(model: str) -> dict[str, str]:
     """(E): whether LMCache and vLLM's own offloading connectors run here, and if not,
     the reason this machine gives (the last error line)."""
     out = {}
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "lmcache"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    text = (proc.stdout + proc.stderr).strip().splitlines()
-    out["LMCache"] = (
-        "installable (not measured: its wheels are built against CUDA torch)"
-        if proc.returncode == 0
-        else f"pip: {text[-1] if text else proc.returncode}"
-    )
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "lmcache"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        text = proc.stdout + proc.stderr
+        cuda = sorted(set(re.findall(r"Collecting ((?:cupy|cuda|nvidia)[\w.-]*)", text)))
+        last = text.strip().splitlines()[-1] if text.strip() else str(proc.returncode)
+        out["LMCache"] = (
+            f"pip resolves lmcache with CUDA-only dependencies ({', '.join(cuda)}): not "
+            "installed here (no CUDA device; its connector moves KV with CUDA)"
+            if cuda
+            else f"pip --dry-run: {last}"
+        )
+    except subprocess.TimeoutExpired:
+        out["LMCache"] = "pip could not resolve lmcache within 600 s"
     for connector in ("OffloadingConnector", "SimpleCPUOffloadConnector"):
         code = (
             "from vllm import LLM\n"

@@ -55,6 +55,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -225,6 +226,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._lookups: ThreadPoolExecutor | None = None
         self._lookups_in_flight = 0  # scheduler thread only
+        self._wait_left = self.config.lookup_wait_ms / 1000.0  # this step's lookup wait
         self._pending_loads: list[LoadSpec] = []  # planned, not yet in a step's metadata
         self._loading: dict[str, frozenset[bytes]] = {}  # async loads: request -> chunk hashes
         # Worker side.
@@ -243,6 +245,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
         self.lookups_refused = 0  # the cap on lookups in flight was reached: computed
+        self.lookups_not_back_in_step = 0  # not back within the step's lookup_wait_ms
         self.waits_for_lookup = 0  # steps a request waited for its lookup
         self.waits_for_load = 0  # steps a hit waited for another request's load or the cap
         self.async_loads = 0
@@ -272,6 +275,7 @@ class RayKVConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None or state.preemptions != request.num_preemptions:
             state = self._lookup(request, state)
+            self._wait_briefly(state)
         hit = self._answer(state)
         if hit is None:
             self.waits_for_lookup += 1
@@ -325,6 +329,23 @@ class RayKVConnector(KVConnectorBase_V1):
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []
+
+    def _wait_briefly(self, state: _Request) -> None:
+        """Give a lookup just sent the step's remaining `lookup_wait_ms` to come back: a
+        local answer takes ~1-3 ms, and one answered now schedules the request in this
+        step instead of the next (an engine step, up to a whole prefill, later). The
+        budget is per scheduler step, so the step is never held longer than that."""
+        fut = state.lookup
+        if fut is None or self._wait_left <= 0:
+            return
+        t0 = time.monotonic()
+        try:
+            fut.result(timeout=self._wait_left)
+        except FutureTimeout:
+            self.lookups_not_back_in_step += 1
+        except Exception:  # reported by _answer
+            pass
+        self._wait_left -= time.monotonic() - t0
 
     def _answer(self, state: _Request) -> int | None:
         """The request's hit, or None while its lookup is in flight and not yet late."""
@@ -438,6 +459,7 @@ class RayKVConnector(KVConnectorBase_V1):
         return split
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._wait_left = self.config.lookup_wait_ms / 1000.0  # the next step's budget
         meta = RayKVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         if not self._keyed:

@@ -39,6 +39,7 @@ PROMPTS = {
     "shared": vt.prompt(7, 5 * vt.CHUNK + 3),  # the two-process test
     "tenant": vt.prompt(8, 4 * vt.CHUNK + 9),  # the cache_salt test
     "sources": vt.prompt(9, 3 * vt.CHUNK + 5),  # the hit-sources test
+    "prompt_wait": vt.prompt(10, 3 * vt.CHUNK + 7),  # the lookup_wait_ms test
 }
 
 
@@ -188,17 +189,21 @@ def test_loaded_kv_is_what_the_model_reads(engine, monkeypatch):
     assert warm["logprobs"] != cold["logprobs"]
 
 
-def test_preemption_and_abort_release_every_pin(engine):
+def test_preemption_and_abort_release_every_pin(engine, monkeypatch):
     """More KV than the engine holds: requests are preempted and re-looked-up; two are
-    aborted mid-flight. Every pin is released and finished requests are unharmed."""
+    aborted mid-flight. Every pin is released and finished requests are unharmed. (The
+    requests join over a few steps, each lookup answered a step after it was sent, as
+    with `lookup_wait_ms: 0`: admitted all at once, they are not always preempted.)"""
     from vllm.inputs import TokensPrompt
 
     llm, _, kv = engine
+    sched = scheduler_connector(llm)
+    monkeypatch.setattr(sched, "config", sched.config.replace(lookup_wait_ms=0))
+    monkeypatch.setattr(sched, "_wait_left", 0.0)
     system = vt.prompt(20, 8 * vt.CHUNK)
     vt.run(llm, [system + vt.prompt(21, 10)])
     settle(llm, kv)
     prompts = [system + vt.prompt(100 + i, 9 * vt.CHUNK + i) for i in range(8)]
-    sched = scheduler_connector(llm)
     preempted_before = sched.lookups_after_preemption
     eng = llm.llm_engine
     for i, p in enumerate(prompts):
@@ -299,6 +304,33 @@ def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, m
     assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK
     vt.assert_same_output(warm, reference["sources"])
     assert told == [{"host": 3 * vt.CHUNK}]
+    wait_unpinned(kv)
+
+
+def test_a_lookup_back_within_lookup_wait_ms_is_answered_in_its_first_step(
+    engine, reference, monkeypatch
+):
+    """The scheduler waits up to `lookup_wait_ms` per step for a new request's lookup:
+    one back in time is answered at once (a miss as 0, a hit as its tokens), never with
+    "ask me next step" (the wait is made generous here, so the test never races)."""
+    llm, _, kv = engine
+    sched = scheduler_connector(llm)
+    monkeypatch.setattr(sched, "config", sched.config.replace(lookup_wait_ms=5000))
+    monkeypatch.setattr(sched, "_wait_left", 5.0)
+    first: dict[str, tuple[Any, bool]] = {}
+    real = sched.get_num_new_matched_tokens
+
+    def spy(request: Any, n: int) -> tuple[Any, bool]:
+        out = real(request, n)
+        first.setdefault(request.request_id, out)
+        return out
+
+    monkeypatch.setattr(sched, "get_num_new_matched_tokens", spy)
+    cold, warm = cold_then_warm(engine, "prompt_wait")
+    assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, reference["prompt_wait"])
+    answers = [n for n, _ in first.values()]
+    assert None not in answers and answers[-1] == 3 * vt.CHUNK, first
     wait_unpinned(kv)
 
 
