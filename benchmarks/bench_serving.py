@@ -679,6 +679,9 @@ def main() -> None:
     parser.add_argument("--tier-mib", type=int, default=256, help="raykv's tier bytes")
     parser.add_argument("--engine-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--soak", type=float, default=0.0, help="run the soak for MINUTES")
+    parser.add_argument(
+        "--no-other", action="store_true", help="skip (E): trying the other connectors"
+    )
     parser.add_argument("--json", help="write the summary (rows, goals, plots) here")
     args = parser.parse_args()
     args.shape = loadgen.Shape.quick() if args.quick else loadgen.Shape()
@@ -736,7 +739,7 @@ def main() -> None:
                         traceback.print_exc()
                         results["arms"][arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                     print(f"arm {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
-                if not args.quick:
+                if not args.quick and not args.no_other:
                     results["other"] = try_other_connectors(model)
         finally:
             serve.shutdown()
