@@ -1,0 +1,126 @@
+"""The storage manager's core (`raykv.actors.manager_core.ManagerCore`) on its own event
+loop, against fake tiers: no Ray cluster. The disk tier is the real actor shell's class
+(`DiskStoreActor`'s body) around a real `DiskStore` in a temp directory; a fake handle
+turns `handle.method.remote(...)` into a call answered with an already-resolved future,
+as Ray's actor handles answer with awaitable refs. What a put writes, a lookup finds, a
+prefetch pins and a get serves, in prefix order, with every miss a miss."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from raykv_testing import seeded_chunk
+
+from raykv.actors import disk_store, tierset
+from raykv.actors.disk_store import DiskStoreActor
+from raykv.actors.manager_core import ManagerCore
+from raykv.config import RayKVConfig
+from raykv.keys import KeyMaker
+from raykv.wire import RetrieveResult
+
+C = 16  # chunk tokens
+
+
+class _Method:
+    def __init__(self, fn: Any, returns: int = 1) -> None:
+        self._fn, self._returns = fn, returns
+
+    def options(self, num_returns: int = 1, **_: Any) -> _Method:
+        return _Method(self._fn, num_returns)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        value = self._fn(*args, **kwargs)
+        values = value if self._returns > 1 else (value,)
+        futures = []
+        for v in values:
+            fut = loop.create_future()
+            fut.set_result(v)
+            futures.append(fut)
+        return tuple(futures) if self._returns > 1 else futures[0]
+
+
+class FakeHandle:
+    """`handle.method.remote(...)` on a plain object, answered with resolved futures."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+@pytest.fixture
+def disk_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RayKVConfig:
+    cfg = RayKVConfig(
+        namespace="t-core",
+        chunk_size=C,
+        local_cpu=False,
+        local_disk=str(tmp_path),
+        max_local_disk_size=0.01,
+        kv_dtype="bfloat16",
+    )
+    shell = DiskStoreActor.__ray_metadata__.modified_class(cfg)
+    monkeypatch.setattr(
+        tierset, "get_or_create_tiers", lambda config, node: {"disk": FakeHandle(shell)}
+    )
+    monkeypatch.setattr(tierset.HandoutHold, "hold", lambda self, ref, nbytes: None)
+    # The fake object store: a put's batch `[value]` resolves to its value, as
+    # `ray.get(ref)` of the client's batch object would.
+    monkeypatch.setattr(disk_store, "resolve_batch", lambda batch: batch[0])
+    return cfg
+
+
+def run(coro_fn: Any) -> Any:
+    async def main() -> Any:
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def test_put_then_lookup_prefetch_and_get_serve_the_stored_prefix(disk_only: RayKVConfig):
+    spans = KeyMaker.from_config(disk_only).keys(list(range(3 * C)))
+    chunks = [seeded_chunk(i) for i in range(3)]
+    metas = [m for m, _ in chunks]
+    arrays = [a for _, a in chunks]
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        put = await core.put(spans[:2], metas[:2], [arrays[:2]])  # the first two chunks
+        await core.flush(10)
+        found = await core.lookup(spans)
+        await core.prefetch("req-1", spans)
+        ready = await core.wait("req-1", 5, sources=True)
+        wire = await core.get(spans, "req-1")
+        return put, found, ready, RetrieveResult.of(wire)
+
+    put, found, ready, result = run(scenario)
+    assert put.stored == 0  # no CPU tier: the chunks went to disk in the background
+    assert found == 2 * C  # a prefix: chunk 3 was never stored
+    assert ready == (2 * C, [("disk", 2 * C)])  # found on disk (what vLLM's stats show)
+    assert [c.meta for c in result.chunks] == metas[:2]
+    for chunk, want in zip(result.chunks, arrays[:2], strict=True):
+        got = chunk.ref.result()[chunk.index]  # the fake's "object": the disk's reply
+        assert np.array_equal(got, want)
+
+
+def test_a_chunk_gone_from_disk_ends_the_prefix_there_never_wrong_bytes(disk_only, tmp_path):
+    spans = KeyMaker.from_config(disk_only).keys(list(range(3 * C)))
+    chunks = [seeded_chunk(i) for i in range(3)]
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
+        await core.flush(10)
+        for path in tmp_path.rglob(f"*{spans[1].key.chunk_hash}*.rkv"):
+            path.write_bytes(b"junk")  # chunk 2's file is damaged behind the index's back
+        wire = await core.get(spans)
+        return RetrieveResult.of(wire)
+
+    result = run(scenario)
+    assert len(result.chunks) == 1  # chunk 1 served; chunk 2 is a miss, so is chunk 3
+    assert np.array_equal(result.chunks[0].ref.result()[0], chunks[0][1])
