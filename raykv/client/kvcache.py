@@ -21,7 +21,6 @@ import math
 import os
 import time
 import uuid
-from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from raykv import metrics
 from raykv.client.layout import KVLayout, KVSource, KVTarget
+from raykv.client.pins import PinBook
 from raykv.client.probe import ServerProbe
 from raykv.client.readcache import ReadCache, object_id
 from raykv.client.staging import Stager, copy_buffers
@@ -47,8 +47,6 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_SECS = 120.0
 # Slack on top of the manager's own bound for a put that may wait for room.
 _PUT_SLACK_SECS = 30.0
-# Pinned lookups a client may leave open before the oldest is unpinned (leases end them too).
-_MAX_OPEN_PINS = 4096
 
 
 class KVCache:
@@ -59,13 +57,7 @@ class KVCache:
         self._manager = manager
         self._keys = KeyMaker.from_config(config)
         self._layout = KVLayout(config)  # checks and copies of this model's KV
-        # Pinned lookups this client named itself (a caller-named one is the caller's to
-        # retrieve or unpin), oldest first: lookup id -> key of its last pinned chunk.
-        self._pins: OrderedDict[str, CacheKey] = OrderedDict()
-        # The same lookups by their last pinned chunk, oldest first: a retrieve without an
-        # id releases one of them (two requests sharing a prefix each hold their own pin,
-        # and each retrieve releases exactly one).
-        self._by_key: dict[CacheKey, deque[str]] = {}
+        self._pins = PinBook()  # the pinned lookups this client named itself
         self._closed = False
         # Background stores (config.store_staging_size > 0): one copy into a staging ring,
         # then a worker thread does the ray.put and the manager call.
@@ -292,34 +284,10 @@ class KVCache:
         return spans[max(i for i, s in enumerate(spans) if s.end <= hit)].key
 
     def _open_pin(self, lookup_id: str, key: CacheKey) -> None:
-        """Remember a pinned lookup until its retrieve, `unpin` or `close`.
-
-        It is found by its last hit chunk, so a retrieve of any token prefix that ends at
-        or after it (the whole prompt, or the hit prefix) releases it; beyond
-        `_MAX_OPEN_PINS` the oldest is released.
-        """
-        self._pins[lookup_id] = key
-        self._by_key.setdefault(key, deque()).append(lookup_id)
-        while len(self._pins) > _MAX_OPEN_PINS:
-            self.unpin(next(iter(self._pins)), wait=False)
-
-    def _forget_pin(self, lookup_id: str) -> None:
-        key = self._pins.pop(lookup_id, None)
-        ids = self._by_key.get(key) if key is not None else None
-        if ids:
-            ids.remove(lookup_id)
-            if not ids:
-                del self._by_key[key]
-
-    def _pin_for(self, spans: list[ChunkSpan]) -> str | None:
-        """The oldest open lookup (named by this client) whose last chunk is in `spans`."""
-        for span in reversed(spans):
-            ids = self._by_key.get(span.key)
-            if ids:
-                lookup_id = ids[0]
-                self._forget_pin(lookup_id)
-                return lookup_id
-        return None
+        """Remember a pinned lookup until its retrieve, `unpin` or `close` (`PinBook`);
+        past the book's limit the oldest is released."""
+        for oldest in self._pins.open(lookup_id, key):
+            self.unpin(oldest, wait=False)
 
     def prefetch(self, tokens: Any) -> str:
         """Start loading `tokens`' cached prefix into CPU; returns at once with a lookup id."""
@@ -373,7 +341,7 @@ class KVCache:
 
         With `wait=False` the request is sent and not waited for (a scheduler's hot path).
         """
-        self._forget_pin(lookup_id)
+        self._pins.forget(lookup_id)
         if wait:
             self._call("unpin", lookup_id, timeout=self._lookup_timeout, default=None)
             return
@@ -423,7 +391,7 @@ class KVCache:
         spans = self._keys.keys_of(tokens)
         if mask is not None:
             if lookup_id is None:  # the pin may be on a masked-out chunk
-                lookup_id = self._pin_for(spans)
+                lookup_id = self._pins.take(spans)
             skip = self._keys.skipped(mask, len(tokens))
             spans = [s for s in spans if s.start >= skip]
         chunks, tiers, places = self._get_chunks(spans, lookup_id)
@@ -455,9 +423,9 @@ class KVCache:
             return [], [], None
         self._settle()
         if lookup_id is None:
-            lookup_id = self._pin_for(spans)
+            lookup_id = self._pins.take(spans)
         else:
-            self._forget_pin(lookup_id)
+            self._pins.forget(lookup_id)
         packed = self._packed(spans)
         reads = self._reads
         keys = [s.key for s in spans] if reads is not None else []
@@ -674,10 +642,9 @@ class KVCache:
             self._reads.clear()
         if self._probe is not None:
             self._probe.notes.close(self._lookup_timeout)
-        for lookup_id in list(self._pins):
+        for lookup_id in self._pins:
             self.unpin(lookup_id)
         self._pins.clear()
-        self._by_key.clear()
         self._closed = True
 
     def __enter__(self) -> KVCache:

@@ -133,7 +133,7 @@ def test_two_pinned_lookups_sharing_a_prefix_each_hold_their_own_pin(kv):
     dest = torch.zeros(2, L, len(b), HIDDEN, dtype=torch.float16)
     assert kv.retrieve(b, dest).sum() == 2 * C
     wait_for_pins(kv, (0, 0, 0))
-    assert not kv._pins and not kv._by_key
+    assert len(kv._pins) == 0 and not kv._pins._by_key
 
 
 def test_identical_prompts_pinned_twice_need_two_retrieves(kv):
