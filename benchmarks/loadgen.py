@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks._util import percentile
 from raykv.demo.model import word_text
 
 VOCAB = 32000  # the demo model's
@@ -269,13 +270,6 @@ async def drive(
                 await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(v for v in values if v == v)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summarize(results: list[Result], wall: float, hit_tokens: int) -> dict[str, Any]:
