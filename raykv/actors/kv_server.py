@@ -22,8 +22,10 @@ import numpy as np
 import ray
 
 from raykv.actors.common import actor_options, named_actor, resolve_batch
+from raykv.config import mask_url
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.breaker import breaker_for
 from raykv.tiers.kv_server import KVServerState
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import TIER_REMOTE, PackedKeys, PutAck, unpack_keys
@@ -179,10 +181,15 @@ class RayServerBackend:
 
 def open_remote(config: Any, timeout_s: float | None = None) -> RemoteStore:
     """The remote tier of `config.remote_url`: a `ray://` server through its actor, any
-    other scheme through the tier core's own back ends."""
+    other scheme through the tier core's own back ends; either way behind this process's
+    circuit breaker of that remote."""
     url = config.remote_url or ""
-    backend = RayServerBackend(url, config, timeout_s or 0.0) if url.startswith("ray://") else None
-    return RemoteStore(config, backend=backend, timeout_s=timeout_s)
+    if url.startswith("ray://"):  # a server of this name in this namespace
+        backend = RayServerBackend(url, config, timeout_s or 0.0)
+        breaker = breaker_for(url, config.namespace)
+    else:
+        backend, breaker = None, breaker_for(mask_url(url))
+    return RemoteStore(config, backend=backend, timeout_s=timeout_s, breaker=breaker)
 
 
 __all__ = [

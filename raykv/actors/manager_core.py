@@ -40,10 +40,10 @@ from raykv.keys import CacheKey, ChunkSpan, leading
 from raykv.payload import EMPTY, PayloadMeta
 from raykv.tiers.index import (
     Lookup,
-    Segment,
     tokens,
 )
 from raykv.tiers.lease import sweep_forever
+from raykv.tiers.lookup import LookupPlan, Need
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import (
     TIER_CPU,
@@ -65,39 +65,32 @@ logger = logging.getLogger(__name__)
 WAIT_FOR_PREFETCH_SECS = 1.0
 
 
-def _extend_remote(segs: list[Segment], n: int, found: int) -> int:
-    """Add the `found` chunks after the first `n` to the plan `segs` as remote hits."""
-    if found:
-        if segs and segs[-1][0] == TIER_REMOTE:
-            segs[-1] = (TIER_REMOTE, segs[-1][1], n + found)
-        else:
-            segs.append((TIER_REMOTE, n, n + found))
-    return n + found
-
-
 @dataclass(slots=True)
 class RemoteProbe:
-    """A lookup waiting for the remote server (`ManagerCore.try_lookup`): `ask` runs on a
-    Ray thread without the manager's lock, `finish_probe` under it."""
+    """A lookup plan that needs a `ray://` remote, asked from a Ray thread
+    (`ManagerCore.try_lookup`): `ask` runs without the manager's lock, `finish_probe`
+    under it."""
 
     store: RemoteStore
     trial: bool
-    keys: list[CacheKey]
-    ends: list[int]
-    segs: list[Segment]
-    n: int
+    plan: LookupPlan
     pin: bool
     lookup_id: str | None
     found: list[bool] | None = None
     error: BaseException | None = None
 
     def ask(self) -> None:
-        """Ask the server which keys after the first `n` it holds (blocks, bounded)."""
+        """Ask the server which keys of the plan's `missing` it holds (blocks, bounded)."""
         try:
             ask = self.store.contains_blocking
-            self.found = ask(self.keys[self.n :], self.store.timeout_s)  # type: ignore[misc]
+            self.found = ask(self.plan.missing, self.store.timeout_s)  # type: ignore[misc]
         except Exception as exc:  # a timeout, a dead server: a miss, counted
             self.error = exc
+
+
+def _check_pin(pin: bool, lookup_id: str | None) -> None:
+    if pin and lookup_id is None:
+        raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
 
 
 class ManagerCore:
@@ -164,38 +157,37 @@ class ManagerCore:
 
     # ----- plans and pulls -----
 
-    async def _full_plan(
-        self, keys: list[CacheKey], tiers: Sequence[str], probe: bool = True
-    ) -> tuple[list[Segment], int]:
-        """The lookup plan: what the indexes know, then a peer, then (with `probe`) what
-        the remote server holds of the keys after that."""
-        segs, n = self._index.plan(keys, tiers)
-        if n < len(keys) and self._asks_peer(tiers):
-            peer = await self._link.locate(keys[n:])
-            if peer is not None:
-                segs.append((peer[0], n, n + peer[1]))
-                n += peer[1]
-        if n < len(keys) and probe and self._asks_remote(tiers):
-            n = _extend_remote(segs, n, await self._t.probe_remote(keys[n:]))
-        return segs, n
+    def _plan(
+        self, spans: Sequence[ChunkSpan] | PackedSpans, tiers: Sequence[str], remote: bool = True
+    ) -> LookupPlan:
+        """A lookup's plan over `tiers` (see `raykv.tiers.lookup`): a peer is asked only
+        over all tiers; the remote with `remote`."""
+        keys, ends = split_spans(spans)
+        peer = self._peer_tier_on() and tiers is self._index.order
+        return LookupPlan.start(self._index, keys, ends, tiers, peer=peer, remote=remote)
 
-    def _asks_peer(self, tiers: Sequence[str]) -> bool:
-        """Whether a lookup over `tiers` asks the controller for a peer (all tiers only)."""
-        return self._peer_tier_on() and tiers is self._index.order
+    async def _drive(self, plan: LookupPlan) -> LookupPlan:
+        """The manager loop's driver: every step the plan needs, awaited."""
+        while (need := plan.need()) is not Need.NOTHING:
+            if need is Need.PEER:
+                plan.give_peer(await self._link.locate(plan.missing))
+            else:
+                found, failed = await self._t.probe_remote(plan.missing)
+                self._give_remote(plan, found, failed)
+        return plan
 
-    def _asks_remote(self, tiers: Sequence[str]) -> bool:
-        """Whether a lookup over `tiers` probes the remote for keys no index knows."""
-        return TIER_REMOTE in tiers and self._index.up(TIER_REMOTE)
+    def _give_remote(self, plan: LookupPlan, found: list[bool] | None, failed: bool) -> None:
+        if failed:  # counted in raykv_remote_errors by the probe
+            self._index.counts["remote_errors"] += 1
+        self._index.found_remote(plan.give_remote(found, failed))
 
-    def _count_lookup(self, segs: list[Segment], ends: list[int], n: int) -> None:
-        hit, miss = self._index.count_lookup(segs, ends, n)
+    def _count_lookup(self, plan: LookupPlan) -> None:
+        hit, miss = plan.finish(self._index)
         metrics.inc("raykv_lookups")
         metrics.inc("raykv_hit_tokens", hit)
         metrics.inc("raykv_miss_tokens", miss)
-        for tier, a, b in segs:
-            metrics.inc(
-                "raykv_tier_hit_tokens", ends[b - 1] - (ends[a - 1] if a else 0), tier=kind(tier)
-            )
+        for tier, n in plan.tier_tokens():
+            metrics.inc("raykv_tier_hit_tokens", n, tier=tier)
 
     # ----- public API -----
 
@@ -268,11 +260,9 @@ class ManagerCore:
         until `get(..., lookup_id)`, `unpin(lookup_id)` or the lease ends.
         """
         await self._ready()
-        keys, ends = split_spans(spans)
-        if pin and lookup_id is None:
-            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
-        segs, n = await self._full_plan(keys, self._index.tiers_for(search_range))
-        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+        _check_pin(pin, lookup_id)
+        plan = await self._drive(self._plan(spans, self._index.tiers_for(search_range)))
+        return self._finish_lookup(plan, pin, lookup_id)
 
     async def lookup_local(
         self,
@@ -286,11 +276,9 @@ class ManagerCore:
         A lookup that comes back short is counted when that client reports what the
         server held (`note_remote`); a complete one is counted now."""
         await self._ready()
-        keys, ends = split_spans(spans)
-        if pin and lookup_id is None:
-            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
-        segs, n = await self._full_plan(keys, self._index.order, probe=False)
-        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id, count=n == len(keys))
+        _check_pin(pin, lookup_id)
+        plan = await self._drive(self._plan(spans, self._index.order, remote=False))
+        return self._finish_lookup(plan, pin, lookup_id, count=plan.complete)
 
     def note_remote(
         self, spans: Sequence[ChunkSpan] | PackedSpans, start: int, found: int, failed: bool
@@ -313,7 +301,7 @@ class ManagerCore:
         # Per-tier figures from what the index knows now (a peer's share counts as a miss
         # of the tiers); the totals are the lookup's.
         segs, _ = self._index.plan(keys[: start + found], self._index.order)
-        self._count_lookup(segs, ends, start + found)
+        self._count_lookup(LookupPlan(keys, ends, segs, start + found, False, False))
 
     def try_lookup(
         self,
@@ -323,54 +311,44 @@ class ManagerCore:
         lookup_id: str | None = None,
         probe: bool = True,
     ) -> int | RemoteProbe | None:
-        """`lookup` from the index alone; or a `RemoteProbe` to ask of a `ray://` remote
-        from the calling thread and finish with `finish_probe`; or None if the loop must
-        answer (start-up, a peer to ask, a Redis remote). Without `probe`, the same for
-        `lookup_local` (never a `RemoteProbe`)."""
+        """The manager thread's driver: `lookup` from the index alone; or a `RemoteProbe`
+        to ask of a `ray://` remote from the calling thread and finish with
+        `finish_probe`; or None if the loop must drive the plan (start-up, a peer to
+        ask, a Redis remote). Without `probe`, the same for `lookup_local` (never a
+        `RemoteProbe`)."""
         if not self.started:
             return None
-        keys, ends = split_spans(spans)
-        if pin and lookup_id is None:
-            raise InvalidInputError("lookup(pin=True) needs a lookup_id to unpin with")
-        tiers = self._index.tiers_for(search_range)
-        segs, n = self._index.plan(keys, tiers)
-        if n < len(keys) and self._asks_peer(tiers):
+        _check_pin(pin, lookup_id)
+        plan = self._plan(spans, self._index.tiers_for(search_range), remote=probe)
+        need = plan.need()
+        if need is Need.PEER:
             return None
-        if not probe:
-            return self._finish_lookup(keys, ends, segs, n, pin, lookup_id, count=n == len(keys))
-        if n < len(keys) and self._asks_remote(tiers):
+        if need is Need.REMOTE:
             store = self._t.blocking_probe()
             if store is None:
                 return None
             trial = store.admit()
-            if trial is not None:  # else backing off: a miss, as the loop would answer
-                return RemoteProbe(store, trial, keys, ends, segs, n, pin, lookup_id)
-        return self._finish_lookup(keys, ends, segs, n, pin, lookup_id)
+            if trial is not None:
+                return RemoteProbe(store, trial, plan, pin, lookup_id)
+            plan.give_remote(None)  # the breaker is open: a miss, as the loop would answer
+        count = probe or plan.complete  # a short lookup_local is counted by note_remote
+        return self._finish_lookup(plan, pin, lookup_id, count=count)
 
     def finish_probe(self, probe: RemoteProbe) -> int:
         """The end of a lookup whose remote probe ran on a Ray thread (`try_lookup`)."""
         probe.store.settle("contains", probe.trial, probe.error)
-        rest = probe.keys[probe.n :]
-        found = self._t.probed(rest, probe.found or [], probe.error is not None)
-        n = _extend_remote(probe.segs, probe.n, found)
-        p = probe
-        return self._finish_lookup(p.keys, p.ends, p.segs, n, p.pin, p.lookup_id)
+        self._give_remote(probe.plan, probe.found, probe.error is not None)
+        return self._finish_lookup(probe.plan, probe.pin, probe.lookup_id)
 
     def _finish_lookup(
-        self,
-        keys: list[CacheKey],
-        ends: list[int],
-        segs: list[Segment],
-        n: int,
-        pin: bool,
-        lookup_id: str | None,
-        count: bool = True,
+        self, plan: LookupPlan, pin: bool, lookup_id: str | None, count: bool = True
     ) -> int:
         if count:
-            self._count_lookup(segs, ends, n)
-        if pin and segs and segs[0][0] == TIER_CPU:
-            self._pin(self._index.record(lookup_id, ends), keys[: segs[0][2]])
-        return tokens(ends, n)
+            self._count_lookup(plan)
+        if pin and plan.cpu_prefix():
+            rec = self._index.record(lookup_id, plan.ends)  # type: ignore[arg-type]
+            self._pin(rec, plan.keys[: plan.cpu_prefix()])
+        return plan.hit_tokens
 
     def _pin(self, rec: Lookup, keys: list[CacheKey]) -> None:
         """Pin CPU hits: the index holds their refs, the CPU store is told without waiting
@@ -389,22 +367,23 @@ class ManagerCore:
         """Start loading the prefix of `spans` into CPU and return at once; the loaded
         chunks are pinned under `lookup_id` until its get or unpin. See `wait`."""
         await self._ready()
-        keys, ends = split_spans(spans)
+        _keys, ends = split_spans(spans)
         tiers = self._index.tiers_for(search_range)
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)
-        rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, tiers))
+        rec.task = asyncio.get_running_loop().create_task(self._load(rec, spans, tiers))
         arrived = self._arrivals.pop(lookup_id, None)
         if arrived is not None:
             arrived.set()
 
-    async def _load(self, rec: Lookup, keys: list[CacheKey], tiers: list[str]) -> int:
+    async def _load(self, rec: Lookup, spans: Any, tiers: list[str]) -> int:
         t0 = time.perf_counter()
-        segs, n = await self._full_plan(keys, tiers)
-        self._count_lookup(segs, rec.ends, n)
-        rec.sources = [(kind(tier), rec.ends[b - 1]) for tier, _a, b in segs]
-        if segs and segs[0][0] == TIER_CPU:
-            self._pin(rec, keys[: segs[0][2]])
+        plan = await self._drive(self._plan(spans, tiers))
+        self._count_lookup(plan)
+        rec.sources = plan.sources()
+        keys, segs = plan.keys, plan.segs
+        if plan.cpu_prefix():
+            self._pin(rec, keys[: plan.cpu_prefix()])
             segs = segs[1:]
         pulls = await asyncio.gather(
             *(self._t.pull(tier, keys[a:b], rec.lookup_id) for tier, a, b in segs)

@@ -7,7 +7,7 @@ a Redis server's run_id), so the manager notices a restarted remote and resyncs.
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 
@@ -21,12 +21,6 @@ from raykv.tiers.remote import RemoteStore
 from raykv.wire import PackedKeys, PutAck, unpack_keys
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 2.0
-# A put may take lookup_timeout plus this much per byte (a slow link still gets to finish).
-PUT_BYTES_PER_S = 100e6
 
 
 @ray.remote(num_cpus=0)

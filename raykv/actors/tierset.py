@@ -22,7 +22,7 @@ from raykv.actors.factory import create_tier, get_or_create_tiers
 from raykv.actors.kv_server import open_remote
 from raykv.actors.peers import ControllerLink
 from raykv.config import RayKVConfig
-from raykv.keys import CacheKey, leading
+from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.index import PrefixIndex
 from raykv.tiers.remote import RemoteStore
@@ -207,12 +207,13 @@ class TierSet:
             await asyncio.sleep(RESYNC_INTERVAL_SECS)
             await asyncio.gather(*(self.check(t) for t in self.index.order))
 
-    async def probe_remote(self, keys: list[CacheKey]) -> int:
-        """How many of `keys` (unknown to every index) the remote tier holds as a prefix.
+    async def probe_remote(self, keys: list[CacheKey]) -> tuple[list[bool] | None, bool]:
+        """Which of `keys` (unknown to every index) the remote server holds, and whether
+        the call failed (`LookupPlan.give_remote`'s arguments).
 
         Asked of the remote server itself (a Redis server, a `ray://` KVServer) from this
         process, not through the remote tier's actor: one hop less on every lookup that
-        reaches the remote. The probe has its own time-out, error count and back-off.
+        reaches the remote. Behind the remote's circuit breaker; bounded by its time-out.
         """
         if self._probe is None:
             timeout = self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE
@@ -220,24 +221,16 @@ class TierSet:
                 self._probe = open_remote(self._config, timeout_s=timeout)
             except Exception as exc:
                 self.remote_error("contains", exc)
-                return 0
+                return None, True
         errors = self._probe.errors
         found = await self._probe.contains(keys)
-        return self.probed(keys, found, self._probe.errors != errors)
+        return found, self._probe.errors != errors
 
     def blocking_probe(self) -> RemoteStore | None:
         """The remote probe when it can be asked from a thread that blocks (a `ray://`
         server, once the probe exists): see `ManagerCore.try_lookup`."""
         probe = self._probe
         return probe if probe is not None and probe.contains_blocking is not None else None
-
-    def probed(self, keys: list[CacheKey], found: list[bool], failed: bool) -> int:
-        """Take a remote probe's answer for `keys`: the prefix it holds, now indexed."""
-        if failed:  # counted in raykv_remote_errors by the probe
-            self.index.counts["remote_errors"] += 1
-        n = leading(found, 0, bool)
-        self.index.found_remote(keys[:n])
-        return n
 
     def remote_error(self, what: str, exc: BaseException) -> None:
         self.index.counts["remote_errors"] += 1

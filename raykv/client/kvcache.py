@@ -264,15 +264,16 @@ class KVCache:
             return int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
         args = (packed, True, lookup_id) if pin else (packed,)
         local = self._send("lookup_local", *args)  # the manager's answer is the longer way
-        ref = probe.send(packed)
+        sent = probe.send(packed)
         hit = int(self._reply("lookup_local", local, self._lookup_timeout, 0))
         if hit >= spans[-1].end:
+            probe.drop(sent)
             return hit  # the server's answer is not needed
         start = _chunks_within(spans, hit, self.config.chunk_size)  # chunks held locally
         left = self._lookup_timeout - (time.monotonic() - t0)
         # A probe that could not be sent costs the server's hits of this lookup (and backs
         # off: the next ones ask the manager).
-        found = None if ref is None else probe.answer(ref, len(spans), left)
+        found = None if sent is None else probe.answer(sent, len(spans), left)
         more = leading(found, start, _is_true) - start if found is not None else 0
         # The manager indexes the server's chunks and counts the lookup; nobody waits.
         note = self._manager.note_remote

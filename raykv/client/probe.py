@@ -10,24 +10,22 @@ tiers hold the whole prefix; the manager asks the server for every other lookup
 anyway).
 
 A server that fails or does not answer in time costs the remote's hits, never the
-lookup: the client then backs off (0.5 s, doubling up to 30 s) and lets the manager ask
-the server, with its own back-off, until the next try.
+lookup: this process's circuit breaker of the server opens (`raykv.tiers.breaker`) and
+the manager asks the server, behind its own process's breaker, until the half-open
+trial succeeds.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import ray
 
 from raykv.client.staging import SerialWorker
+from raykv.tiers.breaker import breaker_for
 
 logger = logging.getLogger(__name__)
-
-BACKOFF_MIN_S = 0.5
-BACKOFF_MAX_S = 30.0
 
 
 class ServerProbe:
@@ -37,8 +35,7 @@ class ServerProbe:
         self.name = name
         self.namespace = namespace
         self._server: Any = None  # resolved on first use, again after a failure
-        self._backoff = 0.0
-        self._retry_at = 0.0
+        self.breaker = breaker_for(f"ray://{name}", namespace)
         self.sent = 0
         self.failed = 0
         # What the client tells the manager after a probe (`note_remote`), sent from a
@@ -47,13 +44,15 @@ class ServerProbe:
         self.notes = SerialWorker(f"raykv-notes-{namespace}")
 
     def ready(self) -> bool:
-        """Whether `send` would ask the server (False while backing off)."""
-        return not self._backoff or time.monotonic() >= self._retry_at
+        """Whether `send` would ask the server (False while its breaker is open)."""
+        return self.breaker.ready()
 
-    def send(self, keys_wire: bytes) -> ray.ObjectRef | None:
+    def send(self, keys_wire: bytes) -> tuple[ray.ObjectRef, bool] | None:
         """Ask the server which keys it holds (a `PackedSpans` or `PackedKeys` `wire()`):
-        the reply's ref, or None while backing off or when the server cannot be reached."""
-        if self._backoff and time.monotonic() < self._retry_at:
+        the reply's ref and whether it is the breaker's trial (pass both to `answer`), or
+        None while the breaker is open or when the server cannot be reached."""
+        trial = self.breaker.admit()
+        if trial is None:
             return None
         try:
             if self._server is None:
@@ -64,41 +63,47 @@ class ServerProbe:
                 self._server = check_actor_class(server, KVServer, self.name, self.namespace)
             ref = self._server.contains.remote(keys_wire)
         except Exception as exc:  # no such actor yet, Ray going away: the manager asks
-            self._fail(exc)
+            self._fail(trial, exc)
             return None
         self.sent += 1
-        return ref
+        return ref, trial
 
-    def answer(self, ref: ray.ObjectRef, n_keys: int, timeout: float) -> list[bool] | None:
+    def answer(
+        self, sent: tuple[ray.ObjectRef, bool], n_keys: int, timeout: float
+    ) -> list[bool] | None:
         """The server's answer to `send` (one bool per key), or None if it failed, came
-        too late or is malformed (then back off)."""
+        too late or is malformed (then the breaker opens)."""
+        ref, trial = sent
         try:
             found = ray.get(ref, timeout=max(timeout, 0.0))
         except Exception as exc:  # a timeout, a dead or restarting server
-            self._fail(exc)
+            self._fail(trial, exc)
             return None
         if not isinstance(found, list) or len(found) != n_keys:
-            self._fail(ValueError(f"contains answered {type(found).__name__}, not {n_keys} bools"))
+            bad = ValueError(f"contains answered {type(found).__name__}, not {n_keys} bools")
+            self._fail(trial, bad)
             return None
-        if self._backoff:
+        if self.breaker.settle(trial):
             logger.info("raykv: ray://%s answers this client's lookups again", self.name)
-        self._backoff = 0.0
         return found
 
-    def _fail(self, exc: BaseException) -> None:
+    def drop(self, sent: tuple[ray.ObjectRef, bool] | None) -> None:
+        """A `send` whose answer is not needed after all: neither outcome for the breaker
+        (a dropped trial lets the next call try again)."""
+        if sent is not None:
+            self.breaker.cancel(sent[1])
+
+    def _fail(self, trial: bool, exc: BaseException) -> None:
         self.failed += 1
         self._server = None  # a restarted server is a new actor: look it up again
-        first = not self._backoff
-        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._backoff))
-        self._retry_at = time.monotonic() + self._backoff
-        log = logger.warning if first else logger.debug
+        log = logger.warning if self.breaker.settle(trial, exc) else logger.debug
         log(
             "raykv: this client's probe of ray://%s failed (%s: %s); the manager asks it "
             "for the next %.1f s",
             self.name,
             type(exc).__name__,
             exc,
-            self._backoff,
+            self.breaker.backoff_s,
         )
 
     def stats(self) -> dict[str, int]:

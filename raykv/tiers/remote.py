@@ -10,9 +10,10 @@ put batch are resolved only when Ray is loaded.
 
 Back ends raise on failure; `RemoteStore` wraps every call in a timeout and turns errors
 into misses: an unreachable, slow or broken remote costs misses, never exceptions. A
-failure counts in `raykv_remote_errors` and opens a short back-off window (0.1 s doubling
-to 2 s) during which calls answer "miss" at once; after it one trial call goes to the
-server (half-open), and its success closes the breaker.
+failure counts in `raykv_remote_errors` and opens the remote's circuit breaker
+(`raykv.tiers.breaker`, one per remote in a process): calls answer "miss" at once for a
+back-off (0.1 s doubling to 2 s); after it one trial call goes to the server
+(half-open), and its success closes the breaker.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from raykv.payload import (
     decode,
     encode,
 )
+from raykv.tiers.breaker import Breaker, breaker_for
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PutAck, join_parts, split_batch
 
@@ -49,8 +51,6 @@ logger = logging.getLogger(__name__)
 _SCAN_COUNT = 1000
 _DELETE_BATCH = 512
 T = TypeVar("T")
-BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 2.0
 # A put may take lookup_timeout plus this much per byte (a slow link still gets to finish).
 PUT_BYTES_PER_S = 100e6
 
@@ -321,7 +321,10 @@ class RemoteStore:
         *,
         backend: RemoteBackend | None = None,
         timeout_s: float | None = None,
+        breaker: Breaker | None = None,
     ) -> None:
+        """`breaker` defaults to this process's breaker of `remote_url` when the back end
+        is made from the URL, and to a breaker of its own for a `backend` passed in."""
         url = config.remote_url
         if not url:
             raise InvalidInputError("remote_url is not set; the remote tier is disabled")
@@ -330,10 +333,9 @@ class RemoteStore:
         self.timeout_s = timeout_s if timeout_s is not None else config.lookup_timeout_ms / 1000
         self._backend = backend or make_backend(url, config, self.timeout_s)
         self._scheme = self._backend.scheme
-        self._retry_at = 0.0
-        self._backoff = 0.0
-        self._healthy = True
-        self._trial = False  # a half-open trial call is in flight
+        if breaker is None:
+            breaker = breaker_for(self.url) if backend is None else Breaker(self.url)
+        self.breaker = breaker
         self._server_id = ""  # last identity the server reported
         self._counts = dict.fromkeys(("hits", "misses", "errors", "skipped_while_down"), 0)
         self.incarnation = uuid.uuid4().hex
@@ -367,8 +369,7 @@ class RemoteStore:
         try:
             result = await asyncio.wait_for(fn(), timeout or self.timeout_s)
         except asyncio.CancelledError:
-            if trial:
-                self._trial = False
+            self.breaker.cancel(trial)
             raise
         except Exception as exc:
             self.settle(op, trial, exc)
@@ -377,27 +378,31 @@ class RemoteStore:
         return result
 
     def admit(self) -> bool | None:
-        """Before a call: None to skip it (backing off, or the half-open trial call is in
-        flight), else whether this call is that trial. Pair with `settle`."""
-        if not self._backoff:
-            return False
-        if self._trial or time.monotonic() < self._retry_at:
+        """Before a call: None to skip it (the breaker is open, or its half-open trial is
+        in flight), else whether this call is that trial. Pair with `settle`."""
+        trial = self.breaker.admit()
+        if trial is None:
             self._counts["skipped_while_down"] += 1
-            return None
-        self._trial = True
-        return True
+        return trial
 
     def settle(self, op: str, trial: bool, exc: BaseException | None = None) -> None:
         """After an admitted call: record its success, or its failure `exc`."""
-        if trial:
-            self._trial = False
-        if exc is not None:
-            self._failed(op, exc)
+        changed = self.breaker.settle(trial, exc)
+        if exc is None:
+            if changed:
+                logger.info("remote tier %s is reachable again", self.url)
             return
-        if not self._healthy:
-            logger.info("remote tier %s is reachable again", self.url)
-            self._healthy = True
-        self._backoff = 0.0
+        self._counts["errors"] += 1
+        metrics.inc("raykv_remote_errors", 1, backend=self._scheme)
+        reason = self._scrub(f"{type(exc).__name__}: {exc}")
+        log = logger.warning if changed else logger.debug
+        log(
+            "remote tier %s failed on %s (%s); serving misses, retrying in %.1f s",
+            self.url,
+            op,
+            reason,
+            self.breaker.backoff_s,
+        )
 
     @property
     def contains_blocking(self) -> Callable[[list[CacheKey], float], list[bool]] | None:
@@ -405,24 +410,6 @@ class RemoteStore:
         has one; the caller brackets it with `admit`/`settle` and bounds it by
         `timeout_s`."""
         return getattr(self._backend, "contains_blocking", None)
-
-    def _failed(self, op: str, exc: BaseException) -> None:
-        self._counts["errors"] += 1
-        metrics.inc("raykv_remote_errors", 1, backend=self._scheme)
-        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._backoff))
-        self._retry_at = time.monotonic() + self._backoff
-        reason = self._scrub(f"{type(exc).__name__}: {exc}")
-        if self._healthy:
-            logger.warning(
-                "remote tier %s failed on %s (%s); serving misses, retrying in %.1f s",
-                self.url,
-                op,
-                reason,
-                self._backoff,
-            )
-            self._healthy = False
-        else:
-            logger.debug("remote tier %s still failing on %s: %s", self.url, op, reason)
 
     # ----- LowerTier -----
 
@@ -472,7 +459,7 @@ class RemoteStore:
             "tier": TIER_REMOTE,
             "url": self.url,
             "backend": self._scheme,
-            "healthy": self._healthy,
+            "healthy": self.breaker.closed,
             "incarnation": self.incarnation,
             **backend,
             **self._counts,

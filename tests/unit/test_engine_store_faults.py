@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ray
 import torch
 from ray.exceptions import ObjectStoreFullError
 
@@ -26,9 +27,22 @@ class NoManager:
         raise AssertionError(f"the manager was called ({name}) after ray.put failed")
 
 
+class RayUp:
+    """The `ray` module as the client sees it, saying Ray is up. Patching
+    `ray.is_initialized` itself would also fool Ray's own log filter (installed once any
+    test started Ray), which then asks a worker that is gone for its id."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(ray, name)
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+
 @pytest.fixture
 def kv(monkeypatch: pytest.MonkeyPatch) -> engine.KVCache:
-    monkeypatch.setattr(engine.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(engine, "ray", RayUp())
     cfg = RayKVConfig(chunk_size=CHUNK, kv_dtype="float32")
     return engine.KVCache(cfg, NoManager())
 

@@ -13,6 +13,7 @@ from raykv_testing import chunk_key
 
 from raykv.config import RayKVConfig
 from raykv.payload import PayloadMeta
+from raykv.tiers import breaker
 from raykv.tiers import remote as rs
 from raykv.tiers.kv_server import KVServerState
 from raykv.tiers.remote import RemoteStore
@@ -92,7 +93,7 @@ def test_a_hanging_remote_costs_a_bounded_miss_then_backs_off() -> None:
         ack = await s.put([key(3)], [META], [data(3)])
         assert ack.skipped == [key(3)] and not ack.accepted
         backend.mode = "ok"
-        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.05)
+        await asyncio.sleep(breaker.BACKOFF_MIN_S + 0.05)
         assert await s.contains([key(1)]) == [True]  # reconnected
         stats = await s.stats()
         assert stats["healthy"] and stats["errors"] == 1 and stats["skipped_while_down"] == 2
@@ -101,16 +102,16 @@ def test_a_hanging_remote_costs_a_bounded_miss_then_backs_off() -> None:
 
 
 def test_failures_never_raise_and_never_show_the_password(caplog, monkeypatch) -> None:
-    monkeypatch.setattr(rs, "BACKOFF_MAX_S", 0.05)
+    monkeypatch.setattr(breaker, "BACKOFF_MAX_S", 0.05)
     backend = FakeBackend()
     backend.mode = "fail"
     s = store(backend)
 
     async def run() -> None:
         assert await s.remove([key(1)]) == 0
-        await asyncio.sleep(rs.BACKOFF_MAX_S + 0.05)
+        await asyncio.sleep(breaker.BACKOFF_MAX_S + 0.05)
         assert await s.keys() == []
-        await asyncio.sleep(rs.BACKOFF_MAX_S + 0.05)
+        await asyncio.sleep(breaker.BACKOFF_MAX_S + 0.05)
         await s.clear()
         assert "s3cret" not in repr(s) and "***" in s.url
 
@@ -211,7 +212,7 @@ def test_half_open_backoff_lets_one_trial_call_through() -> None:
     async def run() -> None:
         backend.mode = "hang"
         assert await s.contains([key(1)]) == [False]  # fails: the breaker opens
-        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        await asyncio.sleep(breaker.BACKOFF_MIN_S + 0.02)
         calls = backend.calls
         start = time.monotonic()
         # After the window: one trial goes to the (still hanging) server, the rest miss fast.
@@ -221,9 +222,9 @@ def test_half_open_backoff_lets_one_trial_call_through() -> None:
             assert await s.get_batch([key(1)]) == ([None], [rs.EMPTY])
         assert time.monotonic() - start < 0.05 and backend.calls == calls + 1
         assert await trial == [False]  # the trial timed out: a longer window
-        assert s._backoff == 2 * rs.BACKOFF_MIN_S
+        assert s.breaker.backoff_s == 2 * breaker.BACKOFF_MIN_S
         backend.mode = "ok"
-        await asyncio.sleep(s._backoff + 0.02)
+        await asyncio.sleep(s.breaker.backoff_s + 0.02)
         assert await s.contains([key(1)]) == [True]  # the trial succeeds: closed again
         results = await asyncio.gather(*(s.contains([key(2)]) for _ in range(3)))
         assert results == [[True]] * 3
@@ -251,7 +252,7 @@ def test_incarnation_changes_when_the_server_restarts_but_not_while_it_is_down()
         assert await s.identity() == first  # unreachable: not a restart
         backend.mode = "ok"
         backend.run_id = "run-2"  # restarted, data gone
-        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        await asyncio.sleep(breaker.BACKOFF_MIN_S + 0.02)
         assert await s.identity() != first
 
     asyncio.run(run())
@@ -264,7 +265,7 @@ def test_a_remote_store_never_shows_the_password_in_repr_stats_or_logs(caplog) -
 
     async def run() -> dict:
         assert await s.contains([key(1)]) == [False]
-        await asyncio.sleep(rs.BACKOFF_MIN_S + 0.02)
+        await asyncio.sleep(breaker.BACKOFF_MIN_S + 0.02)
         return await s.stats()
 
     with caplog.at_level("DEBUG", logger="raykv"):

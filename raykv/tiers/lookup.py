@@ -1,0 +1,173 @@
+"""One lookup, written once: the plan that every lookup path of the manager drives.
+
+A prefix lookup walks the tiers in order: what the manager's index knows (CPU, disk,
+the remote keys it has seen), then a peer instance's CPU tier (asked of the controller),
+then the shared remote server (asked directly) for the keys no index knows. Each step
+after the index is a call to another process, and each caller makes it its own way, so
+the plan is one object and the callers are thin drivers:
+
+    plan = LookupPlan.start(index, keys, ends, tiers, peer=..., remote=...)
+    while (need := plan.need()) is not Need.NOTHING:
+        if need is Need.PEER:
+            plan.give_peer(<the controller's answer for plan.missing>)
+        else:
+            plan.give_remote(<the server's bools for plan.missing>, failed=...)
+    hit_tokens = plan.finish(index)
+
+`give_*` with None (a peer that could not be asked, a remote behind an open breaker)
+records a miss for that step; either way the step is done and `need` moves on.
+
+The drivers and the thread each runs on (the manager holds one lock, taken by its event
+loop except while the loop waits for I/O, and by a Ray thread between two loop steps):
+
+* manager loop (`ManagerCore._drive`, coroutines on the manager's event loop): every
+  need, awaited; used by `lookup` the index cannot answer and by every prefetch (the
+  vLLM connector's async lookup is a prefetch plus a wait).
+* manager thread (`ManagerCore.try_lookup`, a Ray thread under the lock): a plan that
+  needs nothing, or needs only a `ray://` remote, which that thread asks itself with the
+  lock released (`RemoteProbe`) and gives back under the lock; a plan that needs a peer
+  or a Redis remote goes to the loop. Saves the loop hop (~0.15-0.2 ms of a ~0.8 ms
+  lookup, measured when the manager became a threaded actor).
+* client probe (`KVCache._lookup` with `client_remote_probe`): the client asks the
+  manager with `remote=False` (`lookup_local`) and the `ray://` server in the same
+  instant, and reports what the server held (`note_remote`), which the manager gives to
+  a plan of its own. Kept because it saves a round trip: at 512 chunks with the remote
+  holding the last third, 1.58 ms against 1.96 ms when the manager asks (19 %;
+  docs/BENCHMARKS.md, tiers).
+
+A remote's failures are counted and backed off by its circuit breaker
+(`raykv.tiers.breaker`), one per remote in a process, whichever driver asks.
+Plain Python (no Ray), unit-tested in tests/unit/test_lookup_plan.py.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raykv.keys import CacheKey, leading
+from raykv.tiers.index import PrefixIndex, Segment, tokens
+from raykv.wire import TIER_CPU, TIER_REMOTE, PeerTier, kind
+
+
+class Need(enum.Enum):
+    """What a lookup plan still needs before it can finish."""
+
+    NOTHING = "nothing"
+    PEER = "peer"  # the controller: which peer's CPU tier holds `missing`'s prefix
+    REMOTE = "remote"  # the remote server: which of `missing` it holds
+
+
+@dataclass(slots=True)
+class LookupPlan:
+    """One lookup's plan: the segments (tier, start, stop) of the hit prefix found so
+    far, `n` chunks long, and the steps still to ask."""
+
+    keys: list[CacheKey]
+    ends: list[int]
+    segs: list[Segment]
+    n: int
+    ask_peer: bool
+    ask_remote: bool
+    remote_failed: bool = False
+
+    @classmethod
+    def start(
+        cls,
+        index: PrefixIndex,
+        keys: list[CacheKey],
+        ends: list[int],
+        tiers: Sequence[str],
+        *,
+        peer: bool = False,
+        remote: bool = True,
+    ) -> LookupPlan:
+        """The plan from what `index` knows of `keys` over `tiers`. `peer`: ask the
+        controller for a peer next (the caller knows whether a controller is on);
+        `remote`: ask the remote server for keys no index knows (when `tiers` has the
+        remote and it is up)."""
+        segs, n = index.plan(keys, tiers)
+        remote = remote and TIER_REMOTE in tiers and index.up(TIER_REMOTE)
+        return cls(keys, ends, segs, n, peer, remote)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every chunk was found."""
+        return self.n == len(self.keys)
+
+    @property
+    def missing(self) -> list[CacheKey]:
+        """The keys after the prefix found so far: what the next step asks about."""
+        return self.keys[self.n :]
+
+    def need(self) -> Need:
+        """The next step, or NOTHING once the prefix is complete or every step was asked."""
+        if self.complete:
+            return Need.NOTHING
+        if self.ask_peer:
+            return Need.PEER
+        if self.ask_remote:
+            return Need.REMOTE
+        return Need.NOTHING
+
+    def give_peer(self, found: tuple[PeerTier, int] | None) -> None:
+        """The controller's answer: the peer holding a prefix of `missing` and its length
+        in chunks, or None (no peer has it, or the controller could not be asked)."""
+        self.ask_peer = False
+        if found is not None and found[1] > 0:
+            count = min(found[1], len(self.keys) - self.n)
+            self.segs.append((found[0], self.n, self.n + count))
+            self.n += count
+
+    def give_remote(self, found: Sequence[bool] | None, failed: bool = False) -> list[CacheKey]:
+        """The remote server's answer for `missing` (one bool per key; None: not asked,
+        or no answer), `failed` if the call failed. Returns the keys it holds as a
+        prefix, which the caller indexes (`PrefixIndex.found_remote`) so a get pulls
+        them from there."""
+        self.ask_remote = False
+        self.remote_failed = failed
+        held = leading(list(found or ()), 0, _is_true) if found is not None else 0
+        held = min(held, len(self.keys) - self.n)
+        if not held:
+            return []
+        got = self.keys[self.n : self.n + held]
+        if self.segs and self.segs[-1][0] == TIER_REMOTE:
+            tier, a, _b = self.segs[-1]
+            self.segs[-1] = (tier, a, self.n + held)
+        else:
+            self.segs.append((TIER_REMOTE, self.n, self.n + held))
+        self.n += held
+        return got
+
+    def finish(self, index: PrefixIndex) -> tuple[int, int]:
+        """Count the lookup in `index`; (hit tokens, miss tokens)."""
+        return index.count_lookup(self.segs, self.ends, self.n)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens of the prefix found so far."""
+        return tokens(self.ends, self.n)
+
+    def cpu_prefix(self) -> int:
+        """Chunks at the start of the prefix held by the CPU tier (what a pin covers)."""
+        return self.segs[0][2] if self.segs and self.segs[0][0] == TIER_CPU else 0
+
+    def sources(self) -> list[tuple[str, int]]:
+        """Where the prefix was found: `[(tier kind, prefix tokens up to the end of its
+        run), ...]` (the vLLM connector's hit sources)."""
+        return [(kind(tier), self.ends[b - 1]) for tier, _a, b in self.segs]
+
+    def tier_tokens(self) -> list[tuple[str, int]]:
+        """Hit tokens per segment: `[(tier kind, tokens), ...]` (for metrics)."""
+        return [
+            (kind(tier), self.ends[b - 1] - (self.ends[a - 1] if a else 0))
+            for tier, a, b in self.segs
+        ]
+
+
+def _is_true(found: object) -> bool:
+    return found is True
+
+
+__all__ = ["LookupPlan", "Need"]

@@ -1,0 +1,178 @@
+"""One lookup plan (`raykv.tiers.lookup`) and one circuit breaker per remote
+(`raykv.tiers.breaker`), without Ray."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+from raykv_testing import chunk_key
+
+from raykv.payload import PayloadMeta
+from raykv.tiers import breaker as br
+from raykv.tiers.breaker import Breaker, breaker_for
+from raykv.tiers.index import PrefixIndex
+from raykv.tiers.lookup import LookupPlan, Need
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PeerTier
+
+META = PayloadMeta("float16", (2, 1, 4, 8))
+key = functools.partial(chunk_key, dtype="float16")
+TIERS = [TIER_CPU, TIER_DISK, TIER_REMOTE]
+
+
+def index(cpu=(), disk=(), remote=()) -> PrefixIndex:
+    ix = PrefixIndex(list(TIERS), lease_secs=10.0)
+    ix.reset_cpu("cpu-1", {}, 0)
+    ix.apply_cpu(
+        CPUAck(
+            "cpu-1",
+            {k: ChunkRef("o", i, META) for i, k in enumerate(cpu)},
+            list(cpu),
+            [],
+            [],
+            seq=1,
+        )
+    )
+    ix.reset_lower(TIER_DISK, "disk-1", list(disk))
+    ix.reset_lower(TIER_REMOTE, "remote-1", list(remote))
+    return ix
+
+
+KEYS = [key(i) for i in range(6)]
+ENDS = [256 * (i + 1) for i in range(6)]
+
+
+def test_a_plan_the_index_completes_needs_nothing_and_counts_per_tier() -> None:
+    ix = index(cpu=KEYS[:2], disk=KEYS[2:6])
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS, peer=True)
+    assert plan.need() is Need.NOTHING and plan.complete
+    assert plan.segs == [(TIER_CPU, 0, 2), (TIER_DISK, 2, 6)]
+    assert plan.cpu_prefix() == 2 and plan.hit_tokens == ENDS[-1]
+    assert plan.sources() == [(TIER_CPU, 512), (TIER_DISK, 1536)]
+    assert plan.tier_tokens() == [(TIER_CPU, 512), (TIER_DISK, 1024)]
+    assert plan.finish(ix) == (1536, 0)
+    assert ix.counts["lookups"] == 1 and ix.counts["hit_tokens"] == 1536
+
+
+def test_a_short_plan_asks_the_peer_then_the_remote_then_finishes() -> None:
+    ix = index(cpu=KEYS[:1])
+    ix.enable_peers()  # the manager does so when its controller is on
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS, peer=True)
+    assert plan.need() is Need.PEER and plan.missing == KEYS[1:]
+    plan.give_peer((PeerTier("m2"), 2))
+    assert plan.n == 3 and plan.need() is Need.REMOTE and plan.missing == KEYS[3:]
+    held = plan.give_remote([True, True, False])
+    assert held == KEYS[3:5] and plan.n == 5 and plan.need() is Need.NOTHING
+    assert [(str(t), a, b) for t, a, b in plan.segs] == [
+        (TIER_CPU, 0, 1),
+        ("peer:m2", 1, 3),
+        (TIER_REMOTE, 3, 5),
+    ]
+    assert plan.hit_tokens == ENDS[4] and plan.finish(ix) == (ENDS[4], ENDS[5] - ENDS[4])
+
+
+def test_no_answer_is_a_miss_of_that_step_and_the_plan_moves_on() -> None:
+    ix = index()
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS, peer=True)
+    plan.give_peer(None)  # the controller could not be asked
+    assert plan.need() is Need.REMOTE
+    assert plan.give_remote(None, failed=True) == [] and plan.remote_failed
+    assert plan.need() is Need.NOTHING and plan.n == 0 and plan.hit_tokens == 0
+
+
+def test_remote_hits_extend_a_remote_run_the_index_knew_and_never_run_past_the_keys() -> None:
+    ix = index(remote=KEYS[:2])
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS)
+    assert plan.segs == [(TIER_REMOTE, 0, 2)] and plan.need() is Need.REMOTE
+    plan.give_remote([True] * 10)  # a malformed, too long answer is clipped
+    assert plan.segs == [(TIER_REMOTE, 0, 6)] and plan.complete
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS)
+    plan.give_remote([1, True])  # only True counts (not a truthy non-bool)
+    assert plan.n == 2
+
+
+def test_the_remote_is_not_asked_when_down_left_out_or_not_wanted() -> None:
+    ix = index()
+    assert LookupPlan.start(ix, KEYS, ENDS, [TIER_CPU, TIER_DISK]).need() is Need.NOTHING
+    assert LookupPlan.start(ix, KEYS, ENDS, TIERS, remote=False).need() is Need.NOTHING
+    ix.mark_down(TIER_REMOTE)
+    assert LookupPlan.start(ix, KEYS, ENDS, TIERS).need() is Need.NOTHING
+
+
+def test_a_peer_answer_longer_than_the_missing_keys_is_clipped() -> None:
+    plan = LookupPlan.start(index(cpu=KEYS[:4]), KEYS, ENDS, TIERS, peer=True, remote=False)
+    plan.give_peer((PeerTier("m2"), 99))
+    assert plan.n == 6 and plan.segs[-1][1:] == (4, 6)
+
+
+# ----- the breaker -----
+
+
+def test_the_breaker_opens_on_a_failure_lets_one_trial_through_and_closes_on_success(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(br, "BACKOFF_MIN_S", 0.05)
+    b = Breaker("redis://x")
+    trial = b.admit()
+    assert trial is False and b.closed
+    assert b.settle(trial, OSError("down")) is True  # opened: the caller logs once
+    assert not b.closed and b.admit() is None and b.skipped == 1 and not b.ready()
+    time.sleep(0.06)
+    assert b.ready()
+    trial = b.admit()
+    assert trial is True and b.admit() is None  # half-open: one trial at a time
+    assert b.settle(trial, TimeoutError()) is False  # still open: logged at debug
+    assert b.backoff_s == pytest.approx(0.1)
+    time.sleep(0.11)
+    trial = b.admit()
+    assert trial is True and b.settle(trial) is True and b.closed
+    assert b.admit() is False and b.failures == 2
+
+
+def test_a_cancelled_trial_lets_the_next_call_try() -> None:
+    b = Breaker("ray://kv")
+    b.settle(b.admit(), OSError())
+    b._retry_at = 0.0  # the window is over
+    trial = b.admit()
+    assert trial is True
+    b.cancel(trial)
+    assert b.admit() is True
+
+
+def test_the_back_off_doubles_up_to_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = Breaker("r")
+    seen = []
+    for _ in range(8):
+        b._retry_at = 0.0
+        b.settle(b.admit(), OSError())
+        seen.append(b.backoff_s)
+    assert seen[0] == br.BACKOFF_MIN_S and seen[1] == 2 * br.BACKOFF_MIN_S
+    assert seen[-1] == br.BACKOFF_MAX_S
+
+
+def test_one_breaker_per_remote_per_scope_in_a_process() -> None:
+    a = breaker_for("redis://h:1/0")
+    assert breaker_for("redis://h:1/0") is a
+    assert breaker_for("redis://h:2/0") is not a
+    assert breaker_for("ray://kv", "ns1") is not breaker_for("ray://kv", "ns2")
+
+
+def test_the_breaker_admits_one_trial_among_many_threads() -> None:
+    b = Breaker("r")
+    b.settle(b.admit(), OSError())
+    b._retry_at = 0.0
+    trials: list[bool | None] = []
+    start = threading.Barrier(8)
+
+    def call() -> None:
+        start.wait()
+        trials.append(b.admit())
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert trials.count(True) == 1 and trials.count(None) == 7
