@@ -412,6 +412,23 @@ class ManagerCore:
         rec = self._index.lookups.get(lookup_id)
         return n, list(rec.sources) if rec is not None else []
 
+    async def fetch(
+        self,
+        lookup_id: str,
+        spans: Sequence[ChunkSpan] | PackedSpans,
+        timeout: float | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """`prefetch`, then `wait(sources=True)`, in one call: a pinned lookup that
+        promotes what it finds below CPU (the vLLM connector's). A lookup with nothing
+        ready in CPU by then is closed (no pins to release; a load still running drops
+        what it brings)."""
+        await self.prefetch(lookup_id, spans, search_range)
+        n, sources = await self.wait(lookup_id, timeout, sources=True)  # type: ignore[misc]
+        if n == 0:
+            self._close(lookup_id)
+        return n, sources
+
     async def _wait(self, lookup_id: str, timeout: float | None) -> int:
         rec = self._index.lookups.get(lookup_id)
         if rec is None:

@@ -166,6 +166,7 @@ class StorageManager:
     put = _on_loop("put")
     prefetch = _on_loop("prefetch")
     wait = _on_loop("wait")
+    fetch = _on_loop("fetch")
     get_batch = ray.method(num_returns=2)(_on_loop("get_batch"))
     unpin = _on_loop("unpin")
     remove = _on_loop("remove")

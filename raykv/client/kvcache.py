@@ -325,6 +325,21 @@ class KVCache:
         n, sources = reply
         return int(n), [(str(k), int(end)) for k, end in sources]
 
+    def fetch_spans(
+        self, spans: list[ChunkSpan], lookup_id: str, timeout: float | None = None
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """`prefetch_spans` then `wait_sources`, in one manager round trip: prefix tokens
+        pinned in CPU under `lookup_id` (0: nothing pinned, nothing to release) and
+        where they were found. A fault answers `(0, [])`."""
+        self._check_timeout(timeout)
+        if not spans:
+            return 0, []
+        self._settle()
+        outer = None if timeout is None else timeout + self._lookup_timeout
+        args = (lookup_id, self._packed(spans), timeout)
+        n, sources = self._call("fetch", *args, timeout=outer, default=(0, []))
+        return int(n), [(str(k), int(end)) for k, end in sources]
+
     @staticmethod
     def _check_timeout(timeout: float | None) -> None:
         if timeout is not None and (

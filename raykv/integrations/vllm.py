@@ -320,12 +320,8 @@ class RayKVConnector(KVConnectorBase_V1):
     def _pinned_lookup(self, spans: list[Any], lookup_id: str) -> tuple[int, list]:
         """On a lookup thread: prefix tokens ready in CPU for `spans`, pinned (0: nothing
         pinned, nothing to release), and the tiers they were found in."""
-        try:
-            self._kv.prefetch_spans(spans, lookup_id)
-            hit, sources = self._kv.wait_sources(lookup_id, self.config.lookup_timeout_ms / 1e3)
-            if hit == 0:
-                self._kv.unpin(lookup_id, wait=False)
-            return hit, sources
+        try:  # one manager round trip: prefetch, wait, and no pins left on a miss
+            return self._kv.fetch_spans(spans, lookup_id, self.config.lookup_timeout_ms / 1e3)
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []

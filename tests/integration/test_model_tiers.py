@@ -220,6 +220,26 @@ def test_wait_sources_names_the_tier_a_prefetch_found_the_prefix_in(served: Serv
         worker.kv.unpin(lookup_id)
 
 
+def test_fetch_is_a_prefetch_and_its_wait_in_one_call_and_a_miss_leaves_no_pins(
+    served: Served,
+) -> None:
+    """`fetch_spans` (the vLLM connector's lookup): one manager round trip; a hit stays
+    pinned under its id until unpinned, a miss leaves no open lookup behind."""
+    worker, n = served.workers["redis"], served.case.prefix_len
+    remove(worker, served.prompts.a, ["cpu", "disk"])
+    kv, manager = worker.kv, worker.kv._manager
+    spans = kv.spans(served.prompts.a)
+    assert kv.fetch_spans(spans, "fetch-hit", timeout=10) == (n, [("remote", n)])
+    open_ids = ray.get(manager.stats.remote())["open_lookups"]
+    assert open_ids >= 1
+    kv.unpin("fetch-hit")
+    assert ray.get(manager.stats.remote())["open_lookups"] == open_ids - 1
+    other = kv.spans(torch.arange(10_000, 10_000 + n))
+    assert kv.fetch_spans(other, "fetch-miss", timeout=10) == (0, [])
+    assert ray.get(manager.stats.remote())["open_lookups"] == open_ids - 1
+    assert kv.fetch_spans([], "fetch-empty") == (0, [])
+
+
 def test_gpu_worker_actor_warm_path_from_cpu_equals_its_cold_path(namespaces: Namespaces) -> None:
     """The same through the `GPUWorker` actor; cold and warm both run in the actor, so
     they use the same torch threads (a thread count can change fp32 sums' rounding)."""
