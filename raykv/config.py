@@ -118,6 +118,7 @@ class RayKVConfig:
     max_loads_in_flight: int = 4  # vLLM connector: async loads at once; more requests wait
     max_lookups_in_flight: int = 64  # vLLM connector: lookups at once; more requests are computed
     lookup_wait_ms: int = 5  # vLLM connector: per step, how long the scheduler waits for lookups
+    sync_load_max_bytes: int = 4194304  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
@@ -426,7 +427,8 @@ def _validate(cfg: RayKVConfig) -> None:
         "max_lookups_in_flight",
     ):
         _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
-    _require(cfg, "lookup_wait_ms", cfg.lookup_wait_ms >= 0, "must be an integer >= 0 (ms)")
+    for name in ("lookup_wait_ms", "sync_load_max_bytes"):
+        _require(cfg, name, getattr(cfg, name) >= 0, "must be an integer >= 0")
     _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
     _require(cfg, "store_staging_size", cfg.store_staging_size >= 0, "must be >= 0 GB")
     _require(cfg, "read_cache_size", cfg.read_cache_size >= 0, "must be >= 0 GB")

@@ -103,6 +103,16 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
     return spec, len(groups[0].layer_names)
 
 
+def block_nbytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """Bytes of one block across every layer on one worker (what a load of a block
+    copies), or 0 if the spec does not say."""
+    try:
+        spec, n_layers = _attention_spec(kv_cache_config)  # type: ignore[arg-type]
+        return int(spec.page_size_bytes) * n_layers
+    except (AttributeError, ConfigError, TypeError):
+        return 0
+
+
 def _vllm_version() -> str:
     import vllm
 

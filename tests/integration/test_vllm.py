@@ -40,6 +40,7 @@ PROMPTS = {
     "tenant": vt.prompt(8, 4 * vt.CHUNK + 9),  # the cache_salt test
     "sources": vt.prompt(9, 3 * vt.CHUNK + 5),  # the hit-sources test
     "prompt_wait": vt.prompt(10, 3 * vt.CHUNK + 7),  # the lookup_wait_ms test
+    "small_sync": vt.prompt(12, 3 * vt.CHUNK + 11),  # the small-hit test
 }
 
 
@@ -83,7 +84,10 @@ def engine(
         max_local_disk_size=0.5,
         remote_url=redis.url,
     )
-    llm = vt.make_llm(model, vt.transfer_config(load_mode=request.param, **settings))
+    # The tiny model's hits are all small: with the default sync_load_max_bytes an async
+    # engine would copy every one in its step. 0 keeps its loads async (one test turns it on).
+    transfer = vt.transfer_config(load_mode=request.param, sync_load_max_bytes=0, **settings)
+    llm = vt.make_llm(model, transfer)
     kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
     try:
         yield llm, ns, kv
@@ -331,6 +335,31 @@ def test_a_lookup_back_within_lookup_wait_ms_is_answered_in_its_first_step(
     vt.assert_same_output(warm, reference["prompt_wait"])
     answers = [n for n, _ in first.values()]
     assert None not in answers and answers[-1] == 3 * vt.CHUNK, first
+    wait_unpinned(kv)
+
+
+def test_an_async_engine_copies_a_small_hit_in_its_step(engine, reference, monkeypatch):
+    """A hit of at most `sync_load_max_bytes` is answered `(n, False)` and copied before
+    its step's forward pass, even in async mode: it saves the request a whole step."""
+    llm, _, kv = engine
+    async_only(llm)
+    sched = scheduler_connector(llm)
+    monkeypatch.setattr(sched, "config", sched.config.replace(sync_load_max_bytes=1 << 30))
+    answers: list[tuple[Any, bool]] = []
+    real = sched.get_num_new_matched_tokens
+
+    def spy(request: Any, n: int) -> tuple[Any, bool]:
+        out = real(request, n)
+        answers.append(out)
+        return out
+
+    monkeypatch.setattr(sched, "get_num_new_matched_tokens", spy)
+    small, async_loads = sched.small_sync_loads, sched.async_loads
+    cold, warm = cold_then_warm(engine, "small_sync")
+    assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK, (cold, warm, answers)
+    vt.assert_same_output(warm, reference["small_sync"])
+    assert (3 * vt.CHUNK, False) in answers and not any(n and a for n, a in answers)
+    assert sched.small_sync_loads == small + 1 and sched.async_loads == async_loads
     wait_unpinned(kv)
 
 
