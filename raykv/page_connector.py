@@ -1,6 +1,23 @@
 """Page connector: copies whole engine pages (KV blocks) between an engine's per-layer
 caches and `PAGES` chunk payloads (what raykv's vLLM connector moves). Exact for any
-attention backend, since only whole blocks move."""
+attention backend, since only whole blocks move.
+
+On CUDA the batched calls never make the engine's thread wait for the device:
+
+* `load_batch`: a request's chunks are packed layer-major into one pinned host buffer
+  (torch's caching host allocator: pinned once, reused once its copies are done), sent
+  in one host->device copy on a load stream and scattered into the blocks there; the
+  returned event says when the blocks hold them (a loader thread waits on it, a
+  synchronous load makes the compute stream wait on it).
+* `save_batch`: a save stream waits for the compute stream's work so far, gathers the
+  step's blocks on the device, and copies them into the caller's pinned buffers; the
+  compute stream waits only for the on-device gather (the blocks may be reused in the
+  next step), and the returned event says when the host bytes are there (the saver
+  thread waits on it before it hands them to the cache).
+
+Written against torch's CUDA API and unit-tested where a CUDA device is present
+(tests/unit/test_page_connector.py); on CPU both run the plain copies.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +29,22 @@ import torch
 
 from raykv.errors import InvalidInputError
 from raykv.payload import LAYOUT_PAGES, PayloadMeta, buffer_to_tensor
+
+# (payload buffer, its meta, block ids to fill, first payload block): one `load` call.
+LoadPart = tuple[Any, PayloadMeta, Sequence[int], int]
+
+
+class DoneEvent:
+    """The event of a copy that finished before it was returned (CPU caches)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+DONE = DoneEvent()
 
 
 class PageConnector:
@@ -47,6 +80,10 @@ class PageConnector:
         self.device = first.device
         # Bytes of one block across every layer (what a payload holds per block).
         self.block_nbytes = len(layers) * first[0].numel() * first.element_size()
+        self.batched = self.device.type == "cuda"  # load_batch/save_batch use streams
+        if self.batched:
+            self._load_stream = torch.cuda.Stream(self.device)
+            self._save_stream = torch.cuda.Stream(self.device)
 
     def meta(self, num_blocks: int) -> PayloadMeta:
         """The metadata of a payload of `num_blocks` blocks of every layer."""
@@ -69,7 +106,7 @@ class PageConnector:
                 f"block ids must lie in [0, {self.num_blocks}), "
                 f"got {int(idx.min())}..{int(idx.max())}"
             )
-        return idx.to(self.device)
+        return idx  # on the host: checked without touching the device
 
     def save(
         self, block_ids: Sequence[int], out: np.ndarray | None = None
@@ -125,11 +162,87 @@ class PageConnector:
         if self.device.type == "cpu":
             for i, layer in enumerate(self.layers):
                 torch.index_select(layer, 0, idx, out=host[i])
-        else:
+        else:  # blocking, on the current stream: `save_batch` is the engine's path
+            idx = idx.to(self.device)
             host.copy_(torch.stack([layer.index_select(0, idx) for layer in self.layers]))
 
-    def load(self, buf: Any, meta: PayloadMeta, block_ids: Sequence[int], first: int = 0) -> None:
-        """Copy payload blocks `first, first + 1, ...` into `block_ids` of every layer."""
+    def save_batch(
+        self, block_ids: Sequence[int], sizes: Sequence[int], outs: Sequence[np.ndarray]
+    ) -> tuple[list[PayloadMeta], Any]:
+        """`save_chunks` that does not wait for the device: the metas, and an event that is
+        done once `outs` hold the bytes (on CPU, at once). On CUDA `outs` should be pinned
+        host memory (else the device->host copy is synchronous); the blocks may be
+        reused by the compute stream's next work as soon as this returns."""
+        if not self.batched:
+            return self.save_chunks(block_ids, sizes, outs), DONE
+        idx = self._index(block_ids)
+        if sum(sizes) != len(idx) or len(sizes) != len(outs):
+            raise InvalidInputError(
+                f"sizes {list(sizes)} must split the {len(idx)} block ids, one out per size"
+            )
+        metas = [self.meta(n) for n in sizes]
+        for meta, out in zip(metas, outs, strict=True):
+            if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes != meta.nbytes:
+                raise InvalidInputError(f"out must be a flat uint8 array of {meta.nbytes} bytes")
+        compute, stream = torch.cuda.current_stream(self.device), self._save_stream
+        stream.wait_stream(compute)  # the forward that wrote these blocks comes first
+        with torch.cuda.stream(stream):
+            didx = idx.pin_memory().to(self.device, non_blocking=True)
+            gathered = torch.stack([layer.index_select(0, didx) for layer in self.layers])
+            gathered_event = stream.record_event()
+            at = 0
+            for n, meta, out in zip(sizes, metas, outs, strict=True):
+                host = torch.from_numpy(out).view(self.dtype).reshape(meta.shape)
+                host.copy_(gathered[:, at : at + n], non_blocking=True)
+                at += n
+            copied = stream.record_event()
+        compute.wait_event(gathered_event)  # later kernels may overwrite the blocks after it
+        return metas, copied
+
+    def load_batch(self, parts: Sequence[LoadPart]) -> Any:
+        """`load` of several payloads: an event that is done once the blocks hold them (on
+        CPU, at once: the parts are copied one by one). On CUDA the parts go through one
+        pinned host buffer, one host->device copy and a scatter on the load stream;
+        before the blocks are read, wait for the event (`event.synchronize()` on a
+        loader thread, or `wait_on_compute(event)` before a forward pass)."""
+        if not self.batched:
+            for buf, meta, block_ids, first in parts:
+                self.load(buf, meta, block_ids, first)
+            return DONE
+        checked = [
+            self._checked(buf, meta, block_ids, first) for buf, meta, block_ids, first in parts
+        ]
+        if not checked:
+            return DONE
+        total = sum(len(idx) for _src, idx in checked)
+        row = self.block_nbytes // len(self.layers)
+        staging = torch.empty((len(self.layers), total, row), dtype=torch.uint8, pin_memory=True)
+        at = 0
+        for src, idx in checked:
+            n = len(idx)
+            staging[:, at : at + n].copy_(src.contiguous().view(torch.uint8).reshape(-1, n, row))
+            at += n
+        ids = torch.cat([idx for _src, idx in checked]).pin_memory()
+        stream = self._load_stream
+        with torch.cuda.stream(stream):
+            dev = staging.to(self.device, non_blocking=True)
+            didx = ids.to(self.device, non_blocking=True)
+            for i, layer in enumerate(self.layers):
+                pages = dev[i].view(self.dtype).reshape(total, *self.block_shape)
+                layer.index_copy_(0, didx, pages)
+            return stream.record_event()
+
+    def wait_on_compute(self, event: Any) -> None:
+        """Make the compute stream wait for `event` (a synchronous load before a forward
+        pass), without making the host wait."""
+        if self.batched:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _checked(
+        self, buf: Any, meta: PayloadMeta, block_ids: Sequence[int], first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A load part checked: its source blocks [num_layers, n, *block] on the host and
+        the (host) index of the blocks they fill."""
         idx = self._index(block_ids)
         if (
             meta.layout != LAYOUT_PAGES
@@ -144,7 +257,11 @@ class PageConnector:
             raise InvalidInputError(
                 f"payload blocks {first}..{first + len(idx)} out of range: it has {meta.shape[1]}"
             )
-        src = buffer_to_tensor(buf, meta)[:, first : first + len(idx)]
+        return buffer_to_tensor(buf, meta)[:, first : first + len(idx)], idx
+
+    def load(self, buf: Any, meta: PayloadMeta, block_ids: Sequence[int], first: int = 0) -> None:
+        """Copy payload blocks `first, first + 1, ...` into `block_ids` of every layer."""
+        src, idx = self._checked(buf, meta, block_ids, first)
         if self.device.type == "cpu" and all(self._rows_view(t) is not None for t in self.layers):
             # numpy's copy runs on the calling thread alone: a loader thread copying
             # beside the forward pass starts no second OpenMP team to fight it.
@@ -155,9 +272,9 @@ class PageConnector:
                 )
             return
         if self.device.type != "cpu":
-            src = src.to(self.device)
+            src, idx = src.to(self.device), idx.to(self.device)
         for i, layer in enumerate(self.layers):
             layer.index_copy_(0, idx, src[i])
 
 
-__all__ = ["PageConnector"]
+__all__ = ["DONE", "LoadPart", "PageConnector"]

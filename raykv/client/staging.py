@@ -237,10 +237,12 @@ class BufferPool:
     into a buffer that was written before costs a memcpy, one into fresh memory also
     pays its page faults (about as much again). Not thread-safe: the caller locks."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, alloc: Callable[[int], np.ndarray] | None = None) -> None:
         self.capacity = capacity
         self.held = 0
         self._free: dict[int, list[np.ndarray]] = {}
+        # Makes a new buffer of n bytes: plain memory, or pinned memory for device copies.
+        self.alloc = alloc or (lambda n: np.empty(n, dtype=np.uint8))
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of `nbytes`: a kept one if any, else a new one."""
@@ -248,7 +250,7 @@ class BufferPool:
         if kept:
             self.held -= nbytes
             return kept.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+        return self.alloc(nbytes)
 
     def give(self, buf: np.ndarray) -> None:
         """Keep `buf` for a later `take` (dropped when the pool is full)."""

@@ -37,6 +37,11 @@ Nothing holds the engine still (`load_mode: async`, the default):
   the request a whole step.
 - save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
   and the object-store put and manager call run on a saver thread.
+- on CUDA (`PageConnector.load_batch`/`save_batch`): a load is one pinned host->device
+  copy on a load stream per request, waited for by the loader thread (or, in-step, by
+  the compute stream); a save gathers on a save stream into pinned buffers, the compute
+  stream waits only for that gather, and the saver thread waits for the copy's event.
+  Written and unit-tested where a CUDA device is present; no GPU has run it yet.
 
 The engine's `RayKVConfig` and the chunk keys (vLLM's block hashes) are built in
 `raykv.integrations.vllm_setup`.
@@ -90,7 +95,7 @@ from raykv.integrations.vllm_setup import (
     raykv_config,
     worker_rank,
 )
-from raykv.page_connector import PageConnector
+from raykv.page_connector import DONE, LoadPart, PageConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,6 +122,13 @@ _HIT_SOURCES: dict[str, Any] = (
         "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
     }
 )
+
+
+def _pinned(nbytes: int) -> np.ndarray:
+    """A save buffer in pinned host memory (a CUDA engine's device->host copies)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 # ----- metadata from scheduler to workers -----
@@ -540,6 +552,9 @@ class RayKVConnector(KVConnectorBase_V1):
                 f"{self._block_size}: the raykv connector needs them equal"
             )
         self._pages = pages
+        if pages.batched:  # device->host save copies run async only into pinned memory
+            with self._pending_lock:
+                self._buffers.alloc = _pinned
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
         # The loader's copies use no torch thread pool (PageConnector.load copies with
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own
@@ -552,7 +567,7 @@ class RayKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, RayKVConnectorMetadata)
         for spec in meta.loads:
-            if spec.sync:
+            if spec.sync:  # before this step's forward (on CUDA: the compute stream waits)
                 self._load_errors |= self._load(spec, None)
                 continue
             stop = threading.Event()
@@ -573,6 +588,7 @@ class RayKVConnector(KVConnectorBase_V1):
             spans = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
             spans = [s for s in spans if s.end > spec.start]
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
+            parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
             for span, buf, meta in chunks:
                 if stop is not None and (stop.is_set() or time.monotonic() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
@@ -581,9 +597,18 @@ class RayKVConnector(KVConnectorBase_V1):
                 lo, hi = max(span.start, spec.start), min(span.end, spec.end)
                 if lo != done or lo >= hi:
                     break
-                blocks = spec.block_ids[lo // bs : hi // bs]
-                self._pages.load(buf, meta, blocks, (lo - span.start) // bs)
+                part = (buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs)
+                if self._pages.batched:
+                    parts.append(part)
+                else:
+                    self._pages.load(*part)
                 done = hi
+            if parts:
+                written = self._pages.load_batch(parts)
+                if stop is None:  # in-step: the forward waits on the device, not the host
+                    self._pages.wait_on_compute(written)
+                else:  # a loader thread: reported once the blocks hold the bytes
+                    written.synchronize()
         except (RayKVError, ValueError, RuntimeError) as exc:
             logger.warning("raykv load of %s failed at token %d: %s", spec.req_id, done, exc)
         except Exception:  # a loader thread must report, never die silently
@@ -677,13 +702,13 @@ class RayKVConnector(KVConnectorBase_V1):
         try:
             blocks = spec.block_ids[spans[0].start // bs : spans[-1].end // bs]
             sizes = [(s.end - s.start) // bs for s in spans]
-            metas = self._pages.save_chunks(blocks, sizes, buffers)
+            metas, copied = self._pages.save_batch(blocks, sizes, buffers)
         except (InvalidInputError, RuntimeError) as exc:
             logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
             self._done_with(buffers, nbytes)
             return 0
         self.saved_chunks += len(spans)
-        self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix)
+        self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix, copied)
         return nbytes
 
     def _put(
@@ -693,8 +718,10 @@ class RayKVConnector(KVConnectorBase_V1):
         metas: list[Any],
         n: int,
         prefix: list[Any],
+        copied: Any = DONE,
     ) -> None:
         try:
+            copied.synchronize()  # on CUDA: the device->host copy of the step's blocks
             self._kv.put_chunks(spans, buffers, metas, prefix=prefix)
         except Exception:  # a background save must never take the engine down
             logger.exception("raykv background save failed")

@@ -207,6 +207,87 @@ def test_round_trip_on_a_cuda_cache(dtype):
     assert same_bits(big.cpu(), want)
 
 
+# ----- batched calls (the vLLM connector's): CPU runs the plain copies -----
+
+
+def payloads_of(
+    conn: PageConnector, groups: list[list[int]]
+) -> list[tuple[np.ndarray, PayloadMeta]]:
+    out = []
+    for ids in groups:
+        buf, meta = conn.save(ids)
+        buf.setflags(write=False)
+        out.append((buf, meta))
+    return out
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_load_batch_writes_what_loads_one_by_one_write(device, dtype):
+    src = make_cache(dtype, seed=41)
+    (a, ma), (b, mb) = payloads_of(PageConnector(src), [[1, 2, 3], [6, 0]])
+    big = random_bits((NUM_BLOCKS, NUM_LAYERS, *BLOCK), dtype, 42).to(device)
+    dst = [big[:, i] for i in range(NUM_LAYERS)]  # strided views, as vLLM's CPU caches
+    conn = PageConnector(dst)
+    assert conn.batched == (device == "cuda")
+    done = conn.load_batch([(a, ma, [7, 4], 1), (b, mb, [5, 0], 0)])
+    done.synchronize()
+    assert done.query()
+    for layer in range(NUM_LAYERS):
+        got = dst[layer].cpu()
+        assert same_bits(got[[7, 4]], src[layer][[2, 3]])
+        assert same_bits(got[[5, 0]], src[layer][[6, 0]])
+    assert conn.load_batch([]).query()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
+            ),
+        ),
+    ],
+)
+def test_save_batch_bytes_are_the_blocks_of_the_step_even_if_the_blocks_are_reused(device):
+    dtype = torch.bfloat16
+    layers = [t.to(device) for t in make_cache(dtype, seed=43)]
+    want = snapshot(layers)
+    conn = PageConnector(layers)
+    sizes = [2, 1]
+    alloc = (
+        (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
+        if device == "cuda"
+        else (lambda n: np.empty(n, dtype=np.uint8))
+    )
+    outs = [alloc(conn.meta(n).nbytes) for n in sizes]
+    metas, copied = conn.save_batch([5, 1, 3], sizes, outs)
+    for layer in layers:  # the engine's next step reuses the blocks at once
+        layer.zero_()
+    copied.synchronize()
+    got = [
+        torch.from_numpy(o).view(dtype).reshape(m.shape) for o, m in zip(outs, metas, strict=True)
+    ]
+    for i in range(NUM_LAYERS):
+        assert same_bits(got[0][i], want[i][[5, 1]]) and same_bits(got[1][i], want[i][[3]])
+    with pytest.raises(InvalidInputError, match="must split"):
+        conn.save_batch([5, 1], [3], outs[:1])
+
+
 # ----- validation -----
 
 
