@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from raykv.errors import InvalidInputError
+from raykv.page_connector import DONE, DoneEvent
 from raykv.payload import (
     LAYOUT_KV_2LTD,
     PayloadMeta,
@@ -51,27 +52,14 @@ KVBuffers = Sequence[Any]  # per layer: a tensor (paged/contiguous) or a (keys, 
 PayloadLike = torch.Tensor | tuple[Any, PayloadMeta]
 
 
-class _NullEvent:
-    """Stand-in for `torch.cuda.Event` on CPU, where every copy has finished on return."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-_NULL_EVENT = _NullEvent()
-
-
 class _NullStream:
     """Stand-in for `torch.cuda.Stream` on CPU: work runs synchronously, so ordering is free."""
 
     def wait_event(self, event: Any) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> _NullEvent:
-        return _NULL_EVENT
+    def record_event(self, event: Any = None) -> DoneEvent:
+        return DONE
 
     def synchronize(self) -> None:
         return None
@@ -266,7 +254,7 @@ class GPUConnector:
                 with self._on(stream):
                     rows = self._gather_layer(buffers[layer], plan)
                     if not self.is_cuda:
-                        self._fill_blocks(blocks, plan, layer, _NULL_EVENT, rows)
+                        self._fill_blocks(blocks, plan, layer, DONE, rows)
                         continue
                     host = pinned[layer % 2]
                     host.copy_(rows, non_blocking=True)

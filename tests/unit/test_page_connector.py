@@ -210,6 +210,15 @@ def test_round_trip_on_a_cuda_cache(dtype):
 # ----- batched calls (the vLLM connector's): CPU runs the plain copies -----
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
 def payloads_of(
     conn: PageConnector, groups: list[list[int]]
 ) -> list[tuple[np.ndarray, PayloadMeta]]:
@@ -221,18 +230,7 @@ def payloads_of(
     return out
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_load_batch_writes_what_loads_one_by_one_write(device, dtype):
     src = make_cache(dtype, seed=41)
@@ -251,18 +249,7 @@ def test_load_batch_writes_what_loads_one_by_one_write(device, dtype):
     assert conn.load_batch([]).query()
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_save_batch_bytes_are_the_blocks_of_the_step_even_if_the_blocks_are_reused(device):
     dtype = torch.bfloat16
     layers = [t.to(device) for t in make_cache(dtype, seed=43)]
