@@ -708,7 +708,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="raykv-serving-") as tmp:
         args.disk_dir = str(Path(tmp) / "disk")
         model = save_model(Path(tmp) / "model")
-        redis = redis_server_class()(Path(tmp))
+        # Redis's own limit is the Redis tier's budget (raykv keeps none for a remote):
+        # the tier's bytes, plus a quarter for Redis's per-key overhead and fragmentation.
+        redis_mib = args.tier_mib + args.tier_mib // 4 + 64
+        redis = redis_server_class()(Path(tmp), maxmemory_mb=redis_mib)
         redis.start()
         port, metrics_port = free_port(), free_port()
         ray.init(
@@ -728,7 +731,8 @@ def main() -> None:
             }
             print(
                 f"arms {args.arms}; workloads {args.workloads}; {args.repeats} repeats; "
-                f"pool {args.pool_mib} MiB; raykv tier {args.tier_mib} MiB; engine cores "
+                f"pool {args.pool_mib} MiB; raykv tier {args.tier_mib} MiB; Redis maxmemory "
+                f"{redis_mib} MiB (allkeys-lru); engine cores "
                 f"{args.engine_cores}; stream_batching_interval_ms 0; load {os.getloadavg()[0]:.2f}"
             )
             if args.soak:

@@ -53,8 +53,13 @@ def free_port() -> int:
 class RedisServer:
     """A real redis-server on a free loopback port, stoppable and restartable by PID."""
 
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, password: str | None = None, maxmemory_mb: int | None = None
+    ) -> None:
+        """`maxmemory_mb`: Redis evicts least recently used keys past it (raykv keeps no
+        byte budget for a Redis remote: the server's own limit is the budget)."""
         self.binary = shutil.which("redis-server")
+        self.maxmemory_mb = maxmemory_mb
         if self.binary is None:
             raise RuntimeError("redis-server not found: apt-get install -y redis-server")
         self.workdir = workdir
@@ -85,6 +90,8 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.maxmemory_mb is not None:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
