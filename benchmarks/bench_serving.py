@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_serving [--quick] [--arms A,A+,B,C,D,...] [--repeats 3]
         [--workloads mrqa,docqa,...] [--concurrency 4] [--rate R] [--json PATH]
-    python -m benchmarks.bench_serving --soak MINUTES [--json PATH]
+    python -m benchmarks.bench_serving --soak MINUTES [--soak-arm A] [--json PATH]
 
 Each arm is a Ray Serve LLM app (`ray.serve.llm.build_openai_app`) on this benchmark's own
 Ray, serving the demo Llama geometry (fp32, 8 KiB of KV per token) with a word tokenizer,
@@ -38,7 +38,8 @@ of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
 object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
 engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
 of the run and stops Redis at two thirds (restarted 30 s later), and samples every
-process's RSS and the object store each minute.
+process's RSS and the object store each minute; `--soak-arm A` runs the same load on
+plain vLLM (no raykv, no faults), the control that says whose memory grows.
 """
 
 from __future__ import annotations
@@ -682,6 +683,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
     parser.add_argument("--pool-mib", type=int, default=48, help="vLLM's own KV pool")
     parser.add_argument("--tier-mib", type=int, default=256, help="raykv's tier bytes")
+    parser.add_argument(
+        "--soak-arm",
+        default="soak",
+        choices=["soak", "A"],
+        help="soak: raykv's soak engine with faults; A: plain vLLM under the same load (control)",
+    )
     parser.add_argument("--engine-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--soak", type=float, default=0.0, help="run the soak for MINUTES")
     parser.add_argument(

@@ -41,10 +41,13 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
 
     namespace = f"bench-soak-{uuid.uuid4().hex[:8]}"
     ARMS["soak"] = (1, "pow2", "soak", False)
-    config = llm_config("soak", model, namespace, args, env["redis_url"])
+    control = args.soak_arm == "A"  # plain vLLM, the same load: whose memory grows?
+    config = llm_config(args.soak_arm, model, namespace, args, env["redis_url"])
     start_app(config, env["port"])
-    settings = tier_settings("soak", args, env["redis_url"])
-    kv = raykv.connect(namespace=namespace, chunk_size=CHUNK, **settings)
+    kv = None
+    if not control:
+        settings = tier_settings("soak", args, env["redis_url"])
+        kv = raykv.connect(namespace=namespace, chunk_size=CHUNK, **settings)
     total = args.soak * 60.0
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
@@ -53,7 +56,7 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
     done = threading.Event()
 
     def hits() -> int:
-        return int(kv.stats().get("hit_tokens", 0))
+        return int(kv.stats().get("hit_tokens", 0)) if kv is not None else 0
 
     def recovery(what: str) -> None:
         """Seconds from `what` until raykv serves a hit again (lookups found tokens)."""
@@ -87,6 +90,8 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
                     }
                 )
                 next_sample += 60.0
+            if control:
+                continue  # no raykv: nothing to break
             if now >= total / 3 and "cpu" not in fired:
                 fired.add("cpu")
                 ray.kill(ray.get_actor(CPU_STORE_NAME, namespace=namespace), no_restart=True)
@@ -112,7 +117,8 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
     finally:
         done.set()
         watcher.join()
-        kv.close()
+        if kv is not None:
+            kv.close()
         stop_app(namespace)
     return {
         "samples": samples,
@@ -120,11 +126,13 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
         "requests": len(results),
         "errors": sum(1 for r in results if r.error),
         "minutes": args.soak,
+        "arm": args.soak_arm,
     }
 
 
 def report_soak(soaked: dict[str, Any], summary: Summary) -> None:
-    print(f"\n## soak: {soaked['minutes']} min, {soaked['requests']} requests, ", end="")
+    arm = soaked.get("arm", "soak")
+    print(f"\n## soak ({arm}): {soaked['minutes']} min, {soaked['requests']} requests, ", end="")
     print(f"{soaked['errors']} errors")
     groups = sorted({g for s in soaked["samples"] for g in s["rss_mib"]})
     print_table(

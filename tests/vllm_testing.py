@@ -61,11 +61,18 @@ def transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def make_llm(model: Path, kv_transfer: dict[str, Any] | None, kv_bytes: int = 2 << 20) -> Any:
-    """A vLLM engine on CPU; `kv_bytes` of KV cache (2 MiB: 128 blocks, 4k tokens)."""
+def make_llm(
+    model: Path, kv_transfer: dict[str, Any] | None, kv_bytes: int = 2 << 20, tp: int = 1
+) -> Any:
+    """A vLLM engine on CPU; `kv_bytes` of KV cache (2 MiB: 128 blocks, 4k tokens).
+    `tp` > 1: tensor parallel, one worker process per rank (each on one core)."""
     from vllm import LLM
 
+    parallel: dict[str, Any] = {}
+    if tp > 1:
+        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     return LLM(
+        **parallel,
         model=str(model),
         skip_tokenizer_init=True,
         block_size=BLOCK,
@@ -137,26 +144,54 @@ def main() -> None:
     parser.add_argument("--namespace", default="")
     parser.add_argument("--prompts", required=True, help="JSON list of prompts (token id lists)")
     parser.add_argument("--no-connector", action="store_true", help="plain vLLM, no raykv")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config")
     args = parser.parse_args()
     kv = None
     if not args.no_connector:
         kv = transfer_config(
-            namespace=args.namespace, ray_address=args.address, max_local_cpu_size=0.25
+            namespace=args.namespace,
+            ray_address=args.address,
+            max_local_cpu_size=0.25,
+            **json.loads(args.extra),
         )
-    llm = make_llm(Path(args.model), kv)
-    outs = [run(llm, [p])[0] for p in json.loads(args.prompts)]
+    llm = make_llm(Path(args.model), kv, tp=args.tp)
+    outs = []
+    for p in json.loads(args.prompts):
+        outs.append(run(llm, [p])[0])
+        if kv is not None:  # the scheduler's connector lives in this process
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            outs[-1]["scheduler"] = {
+                name: getattr(connector, name)
+                for name in ("lookups", "async_loads", "small_sync_loads", "lookups_timed_out")
+            }
+    if kv is not None:
+        llm.llm_engine.engine_core.engine_core.scheduler.connector._kv.flush()
     print("RESULT " + json.dumps(outs), flush=True)
 
 
 def run_engine_process(
-    model: Path, prompts: list[list[int]], address: str = "", namespace: str = "", timeout=300
+    model: Path,
+    prompts: list[list[int]],
+    address: str = "",
+    namespace: str = "",
+    timeout=300,
+    tp: int = 1,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run `prompts` one by one in a fresh engine process (no connector without `address`)."""
+    """Run `prompts` one by one in a fresh engine process (no connector without `address`);
+    `tp` ranks (one core each), `extra` raykv config for its connector. With a connector,
+    each output also holds the scheduler connector's counters after it ("scheduler")."""
     import subprocess
 
     cmd = [sys.executable, __file__, "--model", str(model), "--prompts", json.dumps(prompts)]
     cmd += ["--address", address, "--namespace", namespace] if address else ["--no-connector"]
+    cmd += ["--tp", str(tp), "--extra", json.dumps(extra or {})]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if tp > 1:  # one OpenMP thread per rank, each on a core of its own
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(r % (os.cpu_count() or 1)) for r in range(tp)
+        )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"engine process failed:\n{proc.stderr[-4000:]}"

@@ -61,6 +61,8 @@ from raykv.wire import (
 
 logger = logging.getLogger(__name__)
 
+# Engine key names `note_engine` remembers per namespace.
+MAX_ENGINE_NAMES = 64
 # `wait` on a lookup id it does not know waits this long for its prefetch to arrive.
 WAIT_FOR_PREFETCH_SECS = 1.0
 
@@ -117,6 +119,7 @@ class ManagerCore:
         self._link = link
         self._tiers = self._t.handles
         self._arrivals: dict[str, asyncio.Event] = {}  # waits that overtook their prefetch
+        self._engines: dict[str, str] = {}  # key model name -> engine layout (note_engine)
         self._started: asyncio.Task | None = None
 
     # ----- start-up, restarts, background tasks -----
@@ -615,6 +618,25 @@ class ManagerCore:
         except asyncio.TimeoutError:
             return False
         return True
+
+    async def note_engine(self, model_name: str, layout: str) -> dict[str, str]:
+        """Record that an engine keyed as `model_name` (its layout in words) uses this
+        namespace, and return the other key names recorded for the same model (the part
+        before `~`): an engine of another layout (TP, backend, block size...), e.g. a
+        cache-warming job, whose chunks the caller can never hit. At most
+        `MAX_ENGINE_NAMES` are kept (the oldest forgotten)."""
+        if not (isinstance(model_name, str) and isinstance(layout, str)):
+            raise InvalidInputError("note_engine takes a key model name and a layout string")
+        self._engines.pop(model_name, None)
+        self._engines[model_name] = layout[:500]
+        while len(self._engines) > MAX_ENGINE_NAMES:
+            self._engines.pop(next(iter(self._engines)))
+        model = model_name.partition("~")[0]
+        return {
+            name: text
+            for name, text in self._engines.items()
+            if name != model_name and name.partition("~")[0] == model
+        }
 
     async def stats(self) -> dict[str, Any]:
         """Per tier: entries, used bytes, capacity, hits/misses, evictions; overall hit rate."""

@@ -167,6 +167,7 @@ class StorageManager:
     prefetch = _on_loop("prefetch")
     wait = _on_loop("wait")
     fetch = _on_loop("fetch")
+    note_engine = _on_loop("note_engine")
     get_batch = ray.method(num_returns=2)(_on_loop("get_batch"))
     unpin = _on_loop("unpin")
     remove = _on_loop("remove")

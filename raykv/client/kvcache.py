@@ -340,6 +340,14 @@ class KVCache:
         n, sources = self._call("fetch", *args, timeout=outer, default=(0, []))
         return int(n), [(str(k), int(end)) for k, end in sources]
 
+    def note_engine(self, model_name: str, layout: str) -> dict[str, str]:
+        """Tell the manager an engine keyed as `model_name` uses this namespace; the other
+        key names of the same model recorded there, with their layouts ({} on a fault)."""
+        reply = self._call(
+            "note_engine", model_name, layout, timeout=self._lookup_timeout * 4, default={}
+        )
+        return dict(reply)
+
     @staticmethod
     def _check_timeout(timeout: float | None) -> None:
         if timeout is not None and (

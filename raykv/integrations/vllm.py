@@ -88,13 +88,16 @@ except ImportError:  # pragma: no cover - depends on the vLLM version
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
+from raykv.integrations.vllm_meta import LoadSpec, RayKVConnectorMetadata, SaveSpec
 from raykv.integrations.vllm_setup import (
     block_hashes_shared,
     block_nbytes,
     chunk_hashes,
+    engine_layout,
     raykv_config,
     worker_rank,
 )
+from raykv.keys import ChunkSpan, KeyMaker
 from raykv.page_connector import DONE, LoadPart, PageConnector
 
 if TYPE_CHECKING:
@@ -129,46 +132,6 @@ def _pinned(nbytes: int) -> np.ndarray:
     import torch
 
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-
-
-# ----- metadata from scheduler to workers -----
-
-
-@dataclass(slots=True)
-class LoadSpec:
-    """Copy tokens [start, end) of a request from raykv into its blocks.
-
-    `hashes` are vLLM's block hashes at the ends of the whole chunks holding them (chunk i
-    ends at token (i + 1) * chunk_size), `block_ids` the request's blocks from token 0.
-    `sync`: copy before this step's forward pass (else on the loader thread)."""
-
-    req_id: str
-    lookup_id: str
-    hashes: list[bytes]
-    start: int
-    end: int
-    block_ids: list[int]
-    sync: bool
-
-
-@dataclass(slots=True)
-class SaveSpec:
-    """Store the whole chunks of tokens [start, end) of a request (both chunk-aligned);
-    `hashes` key every chunk of [0, end)."""
-
-    req_id: str
-    hashes: list[bytes]
-    start: int
-    end: int
-    block_ids: list[int]
-
-
-@dataclass
-class RayKVConnectorMetadata(KVConnectorMetadata):
-    """What the workers load and save in one engine step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -224,6 +187,10 @@ class RayKVConnector(KVConnectorBase_V1):
         self._async = config.load_mode == "async"
         self._block_bytes = block_nbytes(kv_cache_config)  # 0: unknown, every hit is async
         self._keyed = block_hashes_shared(vllm_config)
+        # The scheduler looks up every rank's keys (a TP x PP engine stores per rank).
+        self._other_ranks = [
+            KeyMaker.from_config(config, worker_id=r) for r in range(1, config.world_size)
+        ]
         if not self._keyed and role == KVConnectorRole.SCHEDULER:
             logger.warning(
                 "raykv: vLLM's block hashes are seeded per process (prefix_caching_hash_algo="
@@ -258,6 +225,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self._pending_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
+            self._warn_other_layouts(engine_layout(vllm_config, kv_cache_config))
         # Counters for tests and logs: scheduler side, then worker side.
         self.lookups = 0
         self.lookups_after_preemption = 0
@@ -283,6 +251,23 @@ class RayKVConnector(KVConnectorBase_V1):
             config.load_mode,
             config.model_name,
         )
+
+    def _warn_other_layouts(self, layout: str) -> None:
+        """Say so once at start when engines of another layout of this model (another TP
+        size, backend, block size...: a cache-warming job, an older deployment) write to
+        this namespace: their chunks are keyed apart and never hit this engine."""
+        others = self._kv.note_engine(self.config.model_name, layout)
+        for name, text in others.items():
+            logger.warning(
+                "raykv: namespace %r also holds chunks of %s (keys %s), which this engine "
+                "(%s, keys %s) can never hit: match the layouts (TP, backend, block size, "
+                "dtype, vLLM version) to share the cache",
+                self.config.namespace,
+                text,
+                name,
+                layout,
+                self.config.model_name,
+            )
 
     # ===== scheduler side =====
 
@@ -342,7 +327,7 @@ class RayKVConnector(KVConnectorBase_V1):
             return state  # computed: a request is never held for a lookup slot
         self.lookups += 1
         self._lookups_in_flight += 1
-        spans = self._kv.hashed_spans(hashes, self._offsets(len(hashes)))
+        spans = self._rank_spans(hashes)
         state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id)
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         return state
@@ -416,6 +401,25 @@ class RayKVConnector(KVConnectorBase_V1):
                 self._kv.unpin(lookup_id, wait=False)
         except Exception as exc:  # the pin lease releases it
             logger.warning("raykv: releasing late lookup %s failed: %r", lookup_id, exc)
+
+    def _rank_spans(self, hashes: list[bytes]) -> list[Any]:
+        """The spans a lookup asks for: with one rank, its chunks; with several (TP x PP),
+        every rank's key of chunk 0, then of chunk 1, ... where only the last rank's span
+        of a chunk ends at the chunk's end (the others end where the chunk starts). A
+        prefix lookup then counts a chunk only once every rank holds it, so one rank's
+        evicted chunk ends the hit there (one manager call, whatever the world size)."""
+        offsets = self._offsets(len(hashes))
+        spans = self._kv.hashed_spans(hashes, offsets)
+        if not self._other_ranks:
+            return spans
+        ranks = [spans] + [maker.keys_from_hashes(hashes, offsets) for maker in self._other_ranks]
+        last = len(ranks) - 1
+        every: list[ChunkSpan] = []
+        for i in range(len(spans)):
+            for r, rank in enumerate(ranks):
+                span = rank[i]
+                every.append(ChunkSpan(span.start, span.end if r == last else span.start, span.key))
+        return every
 
     def _offsets(self, n: int) -> list[int]:
         return [(i + 1) * self._chunk for i in range(n)]

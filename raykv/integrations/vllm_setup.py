@@ -60,6 +60,13 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
     dtype = str(spec.dtype).removeprefix("torch.")
     parallel = vllm_config.parallel_config
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if world > 1 and "MLA" in type(spec).__name__:
+        raise ConfigError(
+            f"{type(spec).__name__}: an MLA model keeps one latent KV that every rank holds "
+            f"whole; raykv would store it once per rank ({world} copies). The raykv "
+            f"connector supports MLA models with tensor_parallel_size * "
+            f"pipeline_parallel_size = 1 only, until it stores that KV once"
+        )
     model = config.model_name if "model_name" in extra else vllm_config.model_config.model
     fingerprint = "|".join(
         str(part)
@@ -101,6 +108,20 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
         if not hasattr(spec, attr):
             raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}: no {attr}")
     return spec, len(groups[0].layer_names)
+
+
+def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """What an engine's keys fold in, in words (for the log line that names an engine of
+    another layout sharing a namespace, whose chunks this engine can never hit)."""
+    spec, n_layers = _attention_spec(kv_cache_config)
+    parallel = vllm_config.parallel_config
+    backend = getattr(vllm_config.attention_config, "backend", None) or "auto"
+    return (
+        f"{vllm_config.model_config.model}: TP={parallel.tensor_parallel_size} "
+        f"PP={parallel.pipeline_parallel_size}, {_device_type()}, backend {backend}, "
+        f"block size {vllm_config.cache_config.block_size}, "
+        f"{str(spec.dtype).removeprefix('torch.')} KV, {n_layers} layers, {_vllm_version()}"
+    )
 
 
 def block_nbytes(kv_cache_config: KVCacheConfig | None) -> int:

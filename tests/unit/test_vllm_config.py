@@ -96,3 +96,27 @@ def test_partial_chunks_and_hybrid_models_are_refused():
         raykv_config(*configs({"save_unfull_chunk": True}))
     with pytest.raises(ConfigError, match="one KV cache group"):
         raykv_config(*configs(groups=2))
+
+
+class MLAAttentionSpec(SimpleNamespace):
+    """A fake of vLLM's spec of MLA models (one latent KV that every rank holds whole)."""
+
+
+def test_an_mla_model_is_refused_with_several_ranks_and_served_with_one():
+    vllm_config, kv_cache_config = configs(tp=2)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec = MLAAttentionSpec(**vars(spec))
+    with pytest.raises(ConfigError, match=r"MLAAttentionSpec.*once per rank \(2 copies\)"):
+        raykv_config(vllm_config, kv_cache_config)
+    vllm_config.parallel_config.tensor_parallel_size = 1
+    assert raykv_config(vllm_config, kv_cache_config).world_size == 1
+
+
+def test_block_nbytes_is_a_blocks_pages_across_layers_or_0_when_unknown():
+    from raykv.integrations.vllm_setup import block_nbytes
+
+    _, kv_cache_config = configs()
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes = 65536
+    assert block_nbytes(kv_cache_config) == 32 * 65536
+    assert block_nbytes(None) == 0
+    assert block_nbytes(configs(groups=2)[1]) == 0  # a hybrid model: not served anyway
