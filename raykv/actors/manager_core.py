@@ -166,6 +166,12 @@ class ManagerCore:
         """A lookup's plan over `tiers` (see `raykv.tiers.lookup`): a peer is asked only
         over all tiers; the remote with `remote`."""
         keys, ends = split_spans(spans)
+        return self._plan_keys(keys, ends, tiers, remote)
+
+    def _plan_keys(
+        self, keys: list[CacheKey], ends: list[int], tiers: Sequence[str], remote: bool = True
+    ) -> LookupPlan:
+        """`_plan` of spans already split (a prefetch needed their ends first)."""
         peer = self._peer_tier_on() and tiers is self._index.order
         return LookupPlan.start(self._index, keys, ends, tiers, peer=peer, remote=remote)
 
@@ -370,18 +376,20 @@ class ManagerCore:
         """Start loading the prefix of `spans` into CPU and return at once; the loaded
         chunks are pinned under `lookup_id` until its get or unpin. See `wait`."""
         await self._ready()
-        _keys, ends = split_spans(spans)
+        keys, ends = split_spans(spans)
         tiers = self._index.tiers_for(search_range)
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)
-        rec.task = asyncio.get_running_loop().create_task(self._load(rec, spans, tiers))
+        rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, ends, tiers))
         arrived = self._arrivals.pop(lookup_id, None)
         if arrived is not None:
             arrived.set()
 
-    async def _load(self, rec: Lookup, spans: Any, tiers: list[str]) -> int:
+    async def _load(
+        self, rec: Lookup, keys: list[CacheKey], ends: list[int], tiers: list[str]
+    ) -> int:
         t0 = time.perf_counter()
-        plan = await self._drive(self._plan(spans, tiers))
+        plan = await self._drive(self._plan_keys(keys, ends, tiers))
         self._count_lookup(plan)
         rec.sources = plan.sources()
         keys, segs = plan.keys, plan.segs
