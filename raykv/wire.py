@@ -56,11 +56,14 @@ def kind(tier: str | PeerTier) -> str:
 class ChunkRef:
     """Where one cached chunk lives in the CPU tier: `ray.get(ref)[index]` is its flat bytes.
 
-    (In a result read from `RetrieveResult.wire(ids=True)`, `ref` is the object's id.)"""
+    (In a result read from `RetrieveResult.wire(ids=True)`, `ref` is the object's id.)
+    `batch_nbytes` is the whole object's size where the CPU tier knows it (0: unknown):
+    a peer read sends an object as it is only when the chunks wanted are most of it."""
 
     ref: ray.ObjectRef
     index: int
     meta: PayloadMeta
+    batch_nbytes: int = field(default=0, compare=False)
 
 
 @dataclass(slots=True)
@@ -80,7 +83,8 @@ class CPUAck:
 
     `refs` maps every requested key now readable to its `ChunkRef`: keys accepted
     now, keys already cached (the first put wins), and, for pulls, chunks served but
-    not cached for lack of room. `accepted` and `present` are what the CPU index
+    not cached for lack of room (or not yet: see `caching`). `accepted` and `present` are
+    what the CPU index
     holds; `evicted` left the index to make room; `skipped` were not cached;
     `missing` (pulls only) the source did not have.
     """
@@ -93,6 +97,9 @@ class CPUAck:
     skipped: list[CacheKey] = field(default_factory=list)
     missing: list[CacheKey] = field(default_factory=list)
     seq: int = 0  # this store's reply number (1, 2, ...): the manager notices a lost one
+    # A peer pull's copy into the store, still running: `CPUStoreActor.settled(caching)`
+    # answers its own ack (what entered the CPU tier). "" = none.
+    caching: str = ""
 
 
 @dataclass(slots=True)

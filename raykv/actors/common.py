@@ -3,6 +3,7 @@ for handed-out refs, and node-scoped actor names and factories."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,16 @@ INLINE_OBJECT_BYTES = 100 * 1024
 HANDOUT_HOLD_SECS = 2.0
 HANDOUT_MIN_HOLD_SECS = 0.25
 HANDOUT_HOLD_BYTES = 1 << 20
+# Puts larger than this run in a thread, so the actor's event loop keeps serving.
+THREAD_PUT_BYTES = 8 << 20
+
+
+async def put_own(value: Any, nbytes: int) -> ray.ObjectRef:
+    """`ray.put(value)` in this process (which then owns the object); a big put runs in a
+    thread so the event loop keeps serving meanwhile."""
+    if nbytes >= THREAD_PUT_BYTES:
+        return await asyncio.to_thread(ray.put, value)
+    return ray.put(value)
 
 
 class HandoutHold:

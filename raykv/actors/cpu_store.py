@@ -6,7 +6,9 @@ unit-tested without Ray; `CPUStoreActor` is the thin async Ray actor around it.
 Ownership: `ray.put(_owner=)` is gone, so the store makes every object it indexes
 its own. `put` re-puts the client's batch (one `ray.put` per request, one copy);
 `pull` calls a source actor's `get_batch` with `num_returns=2` and keeps the second
-return (the caller of a task owns its returns), which costs no copy in this process.
+return (the caller of a task owns its returns), which costs no copy in this process;
+from a peer (another node's manager, `peer_read`) it fetches the peer's objects and
+re-puts what it keeps, as a peer's object lives, and dies, on the peer's node.
 Either way the data outlives the writer. Evicting drops this store's reference and
 Ray frees the memory once no borrower (the manager, a reading client) still holds it.
 
@@ -28,9 +30,9 @@ from typing import Any
 import ray
 
 from raykv import metrics
-from raykv.actors.common import INLINE_OBJECT_BYTES, HandoutHold
+from raykv.actors.common import HandoutHold, put_own
 from raykv.keys import CacheKey
-from raykv.payload import PayloadMeta
+from raykv.payload import EMPTY, PayloadMeta
 from raykv.tiers.budget import check_priority
 from raykv.tiers.cpu import CPUStore, payload_problems
 from raykv.tiers.lease import sweep_forever
@@ -38,18 +40,27 @@ from raykv.wire import TIER_CPU, ChunkRef, CPUAck
 
 logger = logging.getLogger(__name__)
 
+# How long the ack of a peer pull's copy waits for the manager to collect it.
+SETTLED_KEEP_SECS = 60.0
 # Ray's object store should exceed the CPU budget by this factor, or Ray spills silently.
 OBJECT_STORE_HEADROOM = 1.2
-# Re-puts larger than this run in a thread, so the event loop keeps serving unpins.
-_THREAD_PUT_BYTES = 8 << 20
 
 
-async def _put_own(value: Any, nbytes: int) -> ray.ObjectRef:
-    """`ray.put(value)` in this process (which then owns the object); a big put runs in a
-    thread so the event loop keeps serving meanwhile."""
-    if nbytes >= _THREAD_PUT_BYTES:
-        return await asyncio.to_thread(ray.put, value)
-    return ray.put(value)
+async def _read_peer(
+    peer: Any, keys: list[CacheKey]
+) -> tuple[list[PayloadMeta | None], list[Any], list[tuple[Any, int] | None]]:
+    """A peer manager's `peer_read` of `keys`, fetched: (metas, arrays, where each array
+    lives: (object ref, index) or None). Each object is fetched once, concurrently; a
+    malformed reply raises (the pull counts every key as a miss)."""
+    metas, objects, places = await peer.peer_read.remote(keys)
+    if not len(metas) == len(places) == len(keys):
+        raise ValueError(
+            f"the peer sent {len(metas)} metas, {len(places)} places for {len(keys)} keys"
+        )
+    values = await asyncio.gather(*objects) if objects else []
+    arrays = [values[p[0]][p[1]] if p is not None else EMPTY for p in places]
+    where = [(objects[p[0]], p[1]) if p is not None else None for p in places]
+    return list(metas), arrays, where
 
 
 def object_store_bytes() -> int | None:
@@ -112,6 +123,10 @@ class CPUStoreActor:
         self._room: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._lease_secs = pin_lease_secs
+        # Peer pulls being copied into this store after their reply (see `pull`): by
+        # token, each copy's ack until the manager collects it (`settled`), and their keys.
+        self._settling: dict[str, asyncio.Task] = {}
+        self._copying: set[CacheKey] = set()
         self._object_store_bytes = object_store_bytes()  # read once: ray.nodes() is costly
         self._object_store_ok = check_object_store(capacity_bytes, self._object_store_bytes)
 
@@ -244,7 +259,7 @@ class CPUStoreActor:
             parts = [arrays[todo[k]] for k in taken]
             nbytes = sum(sizes[:n])
             try:
-                ref = await _put_own(parts, nbytes)
+                ref = await put_own(parts, nbytes)
             except Exception as exc:
                 # Keep the ack: `_allocate` may have evicted entries the caller must drop.
                 logger.warning("put: ray.put of %d bytes failed (%s); not cached", nbytes, exc)
@@ -289,22 +304,32 @@ class CPUStoreActor:
         waits for room. A failed source is a miss for every key; an array whose size
         is not its meta's is a miss too (skipped: neither cached nor served).
 
-        `copy=True` is for a source on another node (a peer): a task's return lives in
-        the object store of the node that ran it, so the store fetches it and re-puts
-        what it caches, and this node's object store holds the bytes its budget counts.
-        The reply then waits for the transfer (the manager's pull timeout covers it).
+        `copy=True` is for a peer (another node's manager): the store reads its
+        `peer_read` (the peer's own objects, fetched once each, or one it gathered) and
+        re-puts what it caches, so this node's object store holds the bytes its budget
+        counts and the cache outlives the peer. The reply waits for the transfer (the
+        manager's pull timeout covers it) but not for that copy: it serves the new
+        chunks from the fetched objects and names the copy in `ack.caching`, whose own
+        ack (`settled`) tells the manager what entered the CPU tier.
         """
         self._start()
         store = self._store
         ack = CPUAck(self._incarnation)
+        where: list[tuple[Any, int] | None] | None = None  # a peer's: each chunk's object
         try:
-            metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
-            metas = list(await metas_ref)
+            if copy:
+                metas, arrays, where = await _read_peer(source, keys)
+                arrays_ref = None
+            else:
+                metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
+                metas = list(await metas_ref)
+                arrays = None
             if len(metas) != len(keys):
                 raise ValueError(f"the source sent {len(metas)} metas for {len(keys)} keys")
             listed = [i for i, m in enumerate(metas) if m is not None]
-            # Read to check each array's size against its meta (zero-copy on this node).
-            arrays = await arrays_ref if listed else None
+            if listed and arrays is None:
+                # Read to check each array's size against its meta (zero-copy on this node).
+                arrays = await arrays_ref
         except Exception as exc:
             logger.warning("pull of %d chunks failed (%s); counted as misses", len(keys), exc)
             ack.missing = list(keys)
@@ -318,38 +343,34 @@ class CPUStoreActor:
         if not hits:
             return ack
         batch_bytes = sum(metas[i].nbytes for i in hits)
-        # An inline return is here already; a source object with bad arrays is not kept.
-        copy = bool(bad) or (copy and batch_bytes > INLINE_OBJECT_BYTES)
+        # An inline return is here already; a source object with bad arrays is not kept;
+        # a peer's objects are never ours.
+        copy = bool(bad) or where is not None
         if not copy:
             arrays = None  # the store keeps the source's object, not these views of it
         new = [i for i in hits if keys[i] not in store]
+        if where is not None and new:  # served now, cached once copied
+            todo = [i for i in new if keys[i] not in self._copying]
+            if todo:
+                ack.caching = self._copy_later(
+                    [keys[i] for i in todo], [metas[i] for i in todo], [arrays[i] for i in todo]
+                )
+            new = []
         added: dict[CacheKey, ChunkRef] = {}
         if new:
             # The source's object counts every hit; a copy holds only the new ones.
             nbytes = sum(metas[i].nbytes for i in new) if copy else batch_bytes
-            n, ack.evicted = await self._allocate([nbytes], wait=False)
-            own, index, reason = arrays_ref, new, None
-            if n and copy:
-                try:
-                    own, index = await _put_own([arrays[i] for i in new], nbytes), range(len(new))
-                except Exception as exc:  # served from the source's object, not cached
-                    store.release(nbytes)
-                    n, reason = 0, f"copying from the source failed: {exc}"
-            del arrays
-            if n:
-                added = store.commit(
-                    own,
-                    [keys[i] for i in new],
-                    [metas[i] for i in new],
-                    index,
-                    batch_bytes=nbytes,
-                    reserved=nbytes,
-                    lookup_id=lookup_id,
-                )
-                if added:
-                    metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
-            else:
-                self._skip(ack, [keys[i] for i in new], reason)
+            added = await self._admit(
+                ack,
+                [keys[i] for i in new],
+                [metas[i] for i in new],
+                nbytes,
+                own=arrays_ref,
+                index=new,
+                arrays=[arrays[i] for i in new] if copy else None,
+                lookup_id=lookup_id,
+            )
+        del arrays
         # After the awaits above: what is cached now, by this pull or another request.
         ack.accepted = list(added)
         ack.present = [keys[i] for i in hits if keys[i] in store and keys[i] not in added]
@@ -358,13 +379,100 @@ class CPUStoreActor:
         cached = store.chunk_refs(keys)
         served = False
         for i in hits:
-            ack.refs[keys[i]] = cached[i] or ChunkRef(arrays_ref, i, metas[i])
-            served = served or cached[i] is None
+            if cached[i] is not None:
+                ack.refs[keys[i]] = cached[i]
+            elif where is not None:  # a peer's object: the peer owns it and keeps it alive
+                ack.refs[keys[i]] = ChunkRef(*where[i], metas[i])  # type: ignore[misc]
+            else:
+                ack.refs[keys[i]] = ChunkRef(arrays_ref, i, metas[i])
+                served = True
         if served:  # handed out, not kept: hold it past the caller's borrow
             self._hold.hold(arrays_ref, batch_bytes)
         if ack.evicted:
             self._signal_room()
         return self._record(ack)
+
+    def _copy_later(self, keys: list[CacheKey], metas: list[PayloadMeta], arrays: list[Any]) -> str:
+        """Start copying a peer pull's new chunks into this store; the copy's token."""
+        token = uuid.uuid4().hex
+        self._copying.update(keys)
+        task = asyncio.get_running_loop().create_task(self._keep(keys, metas, arrays))
+        self._settling[token] = task
+        # An ack nobody collects (the manager's pull timed out) is dropped in a while.
+        forget = lambda _: asyncio.get_running_loop().call_later(  # noqa: E731
+            SETTLED_KEEP_SECS, self._settling.pop, token, None
+        )
+        task.add_done_callback(forget)
+        return token
+
+    async def _keep(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], arrays: list[Any]
+    ) -> CPUAck:
+        """Cache `keys` from `arrays` (views of a peer's objects) in one object of ours,
+        as far as there is room; the ack of what entered (and was evicted for it)."""
+        store = self._store
+        ack = CPUAck(self._incarnation)
+        try:
+            new = [i for i, k in enumerate(keys) if k not in store]
+            if new:
+                added = await self._admit(
+                    ack,
+                    [keys[i] for i in new],
+                    [metas[i] for i in new],
+                    sum(metas[i].nbytes for i in new),
+                    arrays=[arrays[i] for i in new],
+                )
+                ack.accepted = list(added)
+            del arrays
+            ack.present = [k for k in keys if k in store and k not in ack.accepted]
+            ack.refs = self._readable(keys)
+        finally:
+            self._copying.difference_update(keys)
+        if ack.evicted:
+            self._signal_room()
+        return self._record(ack)
+
+    async def _admit(
+        self,
+        ack: CPUAck,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        nbytes: int,
+        *,
+        own: Any = None,
+        index: Any = None,
+        arrays: list[Any] | None = None,
+        lookup_id: str | None = None,
+    ) -> dict[CacheKey, ChunkRef]:
+        """Cache `keys` as one batch of `nbytes`, if there is room now: the object `own`
+        as it is (chunk i at `index[i]`), or one new object of ours copied from `arrays`.
+        What was evicted for it goes in `ack`; without room, or if the copy failed, the
+        keys are skipped. The entries added."""
+        store = self._store
+        n, ack.evicted = await self._allocate([nbytes], wait=False)
+        reason = None
+        if n and arrays is not None:
+            try:
+                own, index = await put_own(arrays, nbytes), None
+            except Exception as exc:  # served from the source's object, not cached
+                store.release(nbytes)
+                n, reason = 0, f"copying from the source failed: {exc}"
+        del arrays
+        if not n:
+            self._skip(ack, keys, reason)
+            return {}
+        added = store.commit(
+            own, keys, metas, index, batch_bytes=nbytes, reserved=nbytes, lookup_id=lookup_id
+        )
+        if added:
+            metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
+        return added
+
+    async def settled(self, token: str) -> CPUAck | None:
+        """The ack of a peer pull's copy into this store (`CPUAck.caching`), once it is
+        done; None for a token unknown here (collected already, or forgotten)."""
+        task = self._settling.pop(token, None)
+        return None if task is None else await task
 
     # ----- control (one message each; the manager sends them without waiting) -----
 

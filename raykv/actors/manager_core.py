@@ -32,12 +32,13 @@ from ray.exceptions import ActorDiedError
 
 from raykv import metrics
 from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
+from raykv.actors.common import put_own
 from raykv.actors.peers import ControllerLink
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan, leading
-from raykv.payload import EMPTY, PayloadMeta
+from raykv.payload import PayloadMeta
 from raykv.tiers.index import (
     Lookup,
     tokens,
@@ -50,6 +51,7 @@ from raykv.wire import (
     TIER_DISK,
     TIER_PEER,
     TIER_REMOTE,
+    ChunkRef,
     CPUAck,
     PackedSpans,
     PutResult,
@@ -579,20 +581,53 @@ class ManagerCore:
     def _peer_tier_on(self) -> bool:
         return self._link is not None and self._t.cpu is not None
 
-    async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
-        """The peer tier's read (`LowerTier.get_batch`): this node's CPU chunks of `keys`,
-        copied into one new object that the caller (another node's CPU store) owns."""
+    async def peer_read(
+        self, keys: list[CacheKey]
+    ) -> tuple[list[PayloadMeta | None], list[ray.ObjectRef], list[tuple[int, int] | None]]:
+        """The peer tier's read, for another node's CPU store (`CPUStoreActor.pull` with
+        `copy=True`): `(metas, objects, places)`; chunk i is `objects[o][j]` for
+        `places[i] == (o, j)`, and None where this node's CPU tier does not hold it.
+
+        A batch object of the CPU tier goes as it is (a ref: nothing is copied here, the
+        reader fetches it once) when the chunks wanted from it are at least half its
+        bytes; the chunks of other batches are gathered into one new object, so a reader
+        never fetches much more than it asked for. The reader copies what it keeps into
+        its own object store either way (it cannot own another node's objects)."""
         await self._ready()
         chunks = [self._index.cpu.get(k) for k in keys]
-        refs = list({c.ref: None for c in chunks if c is not None})
-        try:
-            values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
-        except Exception as exc:  # our CPU store restarted: misses
-            logger.warning("peer read of %d chunks failed: %s", len(refs), exc)
-            return [None] * len(keys), [EMPTY] * len(keys)
+        wanted: dict[ray.ObjectRef, int] = {}
+        size: dict[ray.ObjectRef, int] = {}
+        for c in chunks:
+            if c is not None:
+                wanted[c.ref] = wanted.get(c.ref, 0) + c.meta.nbytes
+                size[c.ref] = c.batch_nbytes
+        whole = {r: i for i, r in enumerate(r for r in wanted if 2 * wanted[r] >= size[r] > 0)}
+        objects = list(whole)
+        places: list[tuple[int, int] | None] = [
+            (whole[c.ref], c.index) if c is not None and c.ref in whole else None for c in chunks
+        ]
+        rest = [i for i, c in enumerate(chunks) if c is not None and c.ref not in whole]
+        if rest:
+            try:
+                gathered = await self._gather([chunks[i] for i in rest])  # type: ignore[misc]
+            except Exception as exc:  # our CPU store restarted: those are misses
+                logger.warning("peer read of %d chunks failed: %s", len(rest), exc)
+                for i in rest:
+                    chunks[i] = None
+            else:
+                objects.append(gathered)
+                for j, i in enumerate(rest):
+                    places[i] = (len(objects) - 1, j)
         metas = [c.meta if c is not None else None for c in chunks]
-        arrays = [values[c.ref][c.index] if c is not None else EMPTY for c in chunks]
-        return metas, arrays
+        return metas, objects, places
+
+    @staticmethod
+    async def _gather(chunks: list[ChunkRef]) -> ray.ObjectRef:
+        """One new object (owned here) holding `chunks`' arrays, in order."""
+        refs = list({c.ref: None for c in chunks})
+        values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
+        arrays = [values[c.ref][c.index] for c in chunks]
+        return await put_own(arrays, sum(c.meta.nbytes for c in chunks))
 
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""

@@ -3,7 +3,8 @@
 With `enable_controller`, every node's StorageManager reports what enters and leaves its
 CPU and disk tiers (batched admit/evict events, a snapshot when a batch was lost or the
 controller restarted), and asks the controller which peer's CPU tier holds a prefix its
-own tiers miss; the peer then serves it through its manager's `get_batch`.
+own tiers miss; the peer then serves it through its manager's `peer_read` (its batch
+objects as they are, fetched once by this node's CPU store, which copies what it keeps).
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class StorageManager:
     wait = _on_loop("wait")
     fetch = _on_loop("fetch")
     note_engine = _on_loop("note_engine")
-    get_batch = ray.method(num_returns=2)(_on_loop("get_batch"))
+    peer_read = _on_loop("peer_read")
     unpin = _on_loop("unpin")
     remove = _on_loop("remove")
     flush = _on_loop("flush")

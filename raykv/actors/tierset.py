@@ -268,6 +268,7 @@ class TierSet:
                     self.spawn(self.late_ack(reply))
                     raise
                 self.apply_cpu(ack)
+                self.settle(cpu, ack)
         except (asyncio.TimeoutError, TimeoutError):
             self.index.counts["pull_timeouts"] += 1
             logger.warning(
@@ -294,6 +295,22 @@ class TierSet:
             return
         self.index.counts["late_acks"] += 1
         self.apply_cpu(ack)
+        self.settle(self.cpu, ack)
+
+    def settle(self, cpu: Any, ack: CPUAck) -> None:
+        """A peer pull served before its copy into the CPU store: apply that copy's ack
+        when it is done (a flush waits for it, like a background write)."""
+        if ack.caching and cpu is not None:
+            self.spawn(self._settled(cpu, ack.caching), name="raykv-put-peer-copy")
+
+    async def _settled(self, cpu: Any, token: str) -> None:
+        try:
+            ack = await cpu.settled.remote(token)
+        except Exception as exc:  # the store restarted: the resync covers it
+            logger.debug("a peer copy's ack was lost: %s", exc)
+            return
+        if ack is not None:
+            self.apply_cpu(ack)
 
     def schedule_check(self, tier: str) -> None:
         if tier in self.handles:

@@ -295,7 +295,7 @@ class CPUStore:
         self.batches += 1
         out: dict[CacheKey, ChunkRef] = {}
         for key, meta, index in new:
-            chunk = ChunkRef(ref, index, meta)
+            chunk = ChunkRef(ref, index, meta, size)
             self._entries[key] = _Entry(batch, chunk, meta.nbytes, priority=priority)
             self.live_bytes += meta.nbytes
             out[key] = chunk

@@ -91,7 +91,9 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         hit, tiers = b.retrieve(tokens, out, return_tiers=True)
         assert hit.all() and tiers == {"peer": TOKENS}
         torch.testing.assert_close(out, kv)
-        # Promoted into B's CPU tier: the next read is local.
+        # Promoted into B's CPU tier (copied after the reply: a flush waits for it): the
+        # next read is local.
+        assert b.flush(30)
         out = torch.zeros_like(kv)
         hit, tiers = b.retrieve(tokens, out, return_tiers=True)
         assert tiers == {"cpu": TOKENS}
@@ -103,6 +105,36 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         assert len(nodes) == len(refs) and all(cluster.b in n and cluster.a not in n for n in nodes)
         stats = b.stats()["tiers"]["peer"]
         assert stats["lookup_hit_chunks"] >= TOKENS // CHUNK
+    finally:
+        shutdown_namespace(cfg.namespace)
+
+
+def test_a_peer_read_of_part_of_a_batch_moves_that_part(cluster):
+    """B wants one chunk of A's four-chunk batch: A gathers it into a new object (B does
+    not fetch the whole batch), and B gets the right bytes; then all four come as A's
+    batch itself, and B's copy is B's own."""
+    cfg = _config(enable_controller=True)
+    try:
+        a, b = _caches(cfg, cluster)
+        tokens, kv = _prompt(3, hidden=512)
+        assert a.store(tokens, kv) == TOKENS
+        _wait_known(cfg, a, tokens, cluster.a)
+        peer = ray.get_actor(actor_name(STORAGE_MANAGER_NAME, cluster.a), namespace=cfg.namespace)
+        keys = [s.key for s in a.spans(tokens)]
+        batch = RetrieveResult.of(ray.get(a._manager.get.remote(a.spans(tokens)), timeout=30))
+        metas, objects, places = ray.get(peer.peer_read.remote(keys[:1]), timeout=30)
+        assert places == [(0, 0)] and objects[0] != batch.chunks[0].ref  # gathered
+        metas, objects, places = ray.get(peer.peer_read.remote(keys), timeout=30)
+        assert objects == [batch.chunks[0].ref] and places == [(0, i) for i in range(4)]
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens[:CHUNK], out, return_tiers=True)
+        assert tiers == {"peer": CHUNK}
+        torch.testing.assert_close(out[:, :, :CHUNK], kv[:, :, :CHUNK])
+        assert b.flush(30)
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
+        assert hit.all() and tiers == {"cpu": CHUNK, "peer": TOKENS - CHUNK}
+        torch.testing.assert_close(out, kv)
     finally:
         shutdown_namespace(cfg.namespace)
 

@@ -83,6 +83,15 @@ class Producer:
     def get_batch(self, keys):
         return [meta() for _ in keys], [payload(k) for k in keys]
 
+    def peer_read(self, keys):
+        """A peer manager's read: one object of ours holding every chunk."""
+        return _peer_reply(keys, [payload(k) for k in keys])
+
+
+def _peer_reply(keys, arrays):
+    """`(metas, objects, places)` as `StorageManager.peer_read` answers: one object."""
+    return [meta() for _ in keys], [ray.put(arrays)], [(0, i) for i in range(len(keys))]
+
 
 def test_put_reads_back_byte_for_byte_and_first_put_wins(store):
     ack = put(store, [0, 1, 2])
@@ -113,19 +122,39 @@ def test_pulled_data_is_owned_by_the_store_and_outlives_the_producer(store):
     assert_bytes([key(20), key(21)], ray.get(store.chunk_refs.remote([key(20), key(21)])))
 
 
-def test_a_copying_pull_caches_its_own_copy_of_the_new_chunks_only(store):
+def test_a_peer_pull_serves_at_once_then_caches_its_own_copy_of_the_new_chunks(store):
     producer = Producer.remote()
     try:
         put(store, [30])
         keys = [key(30), key(31), key(32)]
         ack = ray.get(store.pull.remote(producer, keys, "L1", copy=True))
-        assert ack.accepted == [key(31), key(32)] and ack.present == [key(30)]
+        # Served from the peer's object at once; the new chunks are cached after the reply.
+        assert ack.accepted == [] and ack.present == [key(30)] and ack.caching
+        assert_bytes(keys, [ack.refs[k] for k in keys])
+        settled = ray.get(store.settled.remote(ack.caching))
+        assert settled.accepted == [key(31), key(32)] and settled.seq == ack.seq + 1
+        assert ray.get(store.settled.remote(ack.caching)) is None  # collected once
         stats = ray.get(store.stats.remote())
-        assert stats["pinned_entries"] == 3 and stats["reserved_bytes"] == 0
+        assert stats["pinned_entries"] == 1 and stats["reserved_bytes"] == 0
         # The copy holds the two new chunks (2 x 64 KiB charged), not the whole reply.
         assert stats["used_bytes"] == 3 * NBYTES
-        ray.kill(producer)
+        ray.kill(producer)  # the owner of the peer's object: our copy outlives it
+        time.sleep(0.5)
         assert_bytes(keys, ray.get(store.chunk_refs.remote(keys)))
+    finally:
+        ray.kill(producer)
+
+
+def test_a_chunk_a_peer_pull_is_still_copying_is_not_copied_twice(store):
+    producer = Producer.remote()
+    try:
+        keys = [key(33), key(34)]
+        acks = ray.get([store.pull.remote(producer, keys, copy=True) for _ in range(2)])
+        assert all(set(a.refs) == set(keys) for a in acks)
+        settled = [ray.get(store.settled.remote(a.caching)) for a in acks if a.caching]
+        # One copy, whichever pull came first: a second one would have cached nothing.
+        assert [s.accepted for s in settled] == [keys]
+        assert ray.get(store.stats.remote())["used_bytes"] == 2 * NBYTES
     finally:
         ray.kill(producer)
 
@@ -157,15 +186,14 @@ def _refuse():
 
 @ray.remote(num_cpus=0)
 class OddProducer:
-    """`get_batch` whose metas are fine but whose arrays are `kind` objects."""
+    """A peer whose metas are fine but whose arrays are `kind` objects."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    @ray.method(num_returns=2)
-    def get_batch(self, keys):
+    def peer_read(self, keys):
         cls = _Fragile if self.kind == "fragile" else _Unreadable
-        return [meta() for _ in keys], [cls() for _ in keys]
+        return _peer_reply(keys, [cls() for _ in keys])
 
 
 def _copying_pull(store, kind: str, keys: list[CacheKey]) -> tuple[Any, dict]:
@@ -187,9 +215,11 @@ def test_a_copying_pull_whose_source_object_is_unreadable_is_a_miss(store):
 
 def test_a_copying_pull_whose_copy_fails_serves_the_source_object_uncached(store):
     keys = [key(50), key(51)]
-    ack, stats = _copying_pull(store, "fragile", keys)
-    assert ack.skipped == keys and not ack.accepted and not ack.missing
-    assert set(ack.refs) == set(keys)
+    ack, _ = _copying_pull(store, "fragile", keys)
+    assert not ack.accepted and not ack.missing and set(ack.refs) == set(keys)
+    settled = ray.get(store.settled.remote(ack.caching))
+    assert settled.skipped == keys and not settled.accepted and not settled.refs
+    stats = ray.get(store.stats.remote())
     assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
     assert stats["used_bytes"] == 0
 
@@ -282,13 +312,17 @@ def test_served_but_not_cached_pulls_do_not_leak_memory() -> None:
 
 @ray.remote(num_cpus=0)
 class LyingProducer:
-    """`get_batch` whose second chunk is half the size its meta declares."""
+    """A source whose second chunk is half the size its meta declares."""
+
+    def _arrays(self, keys):
+        return [payload(k, NBYTES // 2 if i == 1 else NBYTES) for i, k in enumerate(keys)]
 
     @ray.method(num_returns=2)
     def get_batch(self, keys):
-        return [meta() for _ in keys], [
-            payload(k, NBYTES // 2 if i == 1 else NBYTES) for i, k in enumerate(keys)
-        ]
+        return [meta() for _ in keys], self._arrays(keys)
+
+    def peer_read(self, keys):
+        return _peer_reply(keys, self._arrays(keys))
 
 
 def test_a_put_of_arrays_of_another_size_than_their_meta_skips_them(store):
@@ -312,7 +346,11 @@ def test_a_pulled_array_of_another_size_than_its_meta_is_a_miss(store, copy):
         keys = [key(70), key(71), key(72)]
         ack = ray.get(store.pull.remote(producer, keys, copy=copy))
         assert ack.missing == [key(71)] and ack.skipped == [key(71)]
-        assert ack.accepted == [key(70), key(72)] and set(ack.refs) == {key(70), key(72)}
+        assert set(ack.refs) == {key(70), key(72)}
+        if copy:  # a peer's chunks are cached after the reply
+            assert ack.accepted == []
+            ack = ray.get(store.settled.remote(ack.caching))
+        assert ack.accepted == [key(70), key(72)]
         ray.kill(producer)
         assert_bytes([key(70), key(72)], [ack.refs[key(70)], ack.refs[key(72)]])
         stats = ray.get(store.stats.remote())
