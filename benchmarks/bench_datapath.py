@@ -17,15 +17,18 @@ same machine; each is reported as min / median / max over the repeats:
   beside it, for reference.
 * synchronous `store` (the default): the same store waiting for the object store and
   the manager, against the same memcpy, for comparison.
-* `retrieve` into a preallocated destination, against one trivial async-actor round
-  trip plus one memcpy of the bytes: the same copy a retrieve makes, from the stored
-  chunks in the object store into the same destination. Goal: baseline / retrieve >=
-  0.8. Timed with a read cache (config `read_cache_size`); also against a round trip
-  that carries the retrieve's request (its packed spans) as its argument. Each baseline
-  alternates with the retrieve alone, with many more repeats than the stores (a
-  retrieve takes milliseconds; ~1 s of reads per figure). Then the same retrieve with
-  the read cache on and off, alternating twice as many times: its effect is smaller
-  than the noise of the figures above.
+* `retrieve` into a preallocated destination with the default config (no read cache),
+  against one trivial async-actor round trip plus one memcpy of the bytes: the same
+  copy a retrieve makes, from the stored chunks in the object store into the same
+  destination. Goal: baseline / retrieve >= 0.8. Both rotate over stored prompts of
+  384 MiB in all, the baseline copying another prompt than the retrieve beside it, so
+  neither finds its source in the CPU caches (until 2026-11-26 the retrieve read one
+  prompt over and over, with the read cache on: not the default, and 0.1-0.2 above
+  what the default gets at 8-32 MiB). Also against a round trip that carries the
+  retrieve's request (its packed spans) as its argument. Each baseline alternates with
+  the retrieve alone, with many more repeats than the stores (a retrieve takes
+  milliseconds; ~1 s of reads per figure). Then the same retrieve with the read cache
+  (config `read_cache_size`) on and off, alternating twice as many times.
 
 * Ray settings for users who start Ray themselves: `ray.put` GB/s at 8/32/128 MiB,
   raykv's synchronous `store` of 32 MiB and the time `ray.init` takes, in fresh
@@ -61,6 +64,9 @@ TITLE = "Client data path: store and retrieve against memcpy"
 LAYERS, HIDDEN = 8, 1024  # 32 KiB of fp16 K+V per token
 CHUNK = 256
 SIZES_MIB = (8, 32, 128)
+# The retrieve figures rotate over stored prompts of this many MiB in all (this machine's
+# L3 is 32 MiB or less): a read of the prompt read just before found it in the caches.
+ROTATE_MIB = 384
 
 
 @ray.remote(num_cpus=0)
@@ -231,50 +237,57 @@ def main() -> None:
             # two alternated with only a drain between them).
             t_b2b = interleave_all([memcpy], store_reps)[0]
             t_sync, t_copy2 = interleave(store_plain, memcpy, reps)
-            # retrieve: of a prompt stored just now, into a preallocated destination
-            held = tokens_for(n_tokens)
-            assert staged.store(held, kv) == n_tokens
+            # retrieve: of one of `held` prompts in turn (together over 3x L3 and more, so
+            # each read finds its chunks out of the CPU caches, as in serving), into a
+            # preallocated destination.
+            held = [tokens_for(n_tokens) for _ in range(max(3, ROTATE_MIB // mib))]
+            for prompt in held:
+                assert plain.store(prompt, kv) == n_tokens
             dest = torch.empty_like(kv)
-            assert staged.lookup(held) == n_tokens
-            request = staged._packed(staged.spans(held))  # what a retrieve sends
-            # The baseline's memcpy copies what a retrieve copies: the stored chunks (in
-            # the object store), into the same destination. Copying `kv` instead would
-            # give the baseline a source the other baseline just made cache-hot.
-            got, _ = staged.get_chunks(staged.spans(held))
-            stored = zip(
-                [span for span, _, _ in got],
-                buffers_to_tensors([buf for _, buf, _ in got], [m for _, _, m in got]),
-                strict=True,
-            )
-            stored = [(dest[:, :, sp.start : sp.end, :], t) for sp, t in stored]
+            assert plain.lookup(held[0]) == n_tokens
+            request = plain._packed(plain.spans(held[0]))  # what a retrieve sends
+            # The baseline's memcpy copies what a retrieve copies: a prompt's stored chunks
+            # (in the object store, another prompt's than the retrieve next to it read),
+            # into the same destination. Copying `kv` instead would give the baseline a
+            # source the other baseline just made cache-hot.
+            stored = []
+            for prompt in held:
+                got, _ = plain.get_chunks(plain.spans(prompt))
+                tensors = buffers_to_tensors([buf for _, buf, _ in got], [m for _, _, m in got])
+                spans = [span for span, _, _ in got]
+                stored.append(
+                    [
+                        (dest[:, :, sp.start : sp.end, :], t)
+                        for sp, t in zip(spans, tensors, strict=True)
+                    ]
+                )
 
-            def copy_stored() -> None:
-                for part, chunk in stored:
+            def copy_stored(i: int) -> None:
+                for part, chunk in stored[(i + len(held) // 2) % len(held)]:
                     part.copy_(chunk)
 
-            def retrieve(_i: int) -> None:
-                assert staged.retrieve(held, dest).all()
+            def retrieve(i: int) -> None:  # the default config: no read cache
+                assert plain.retrieve(held[i % len(held)], dest).all()
 
-            def retrieve_uncached(_i: int) -> None:
-                assert plain.retrieve(held, dest).all()
+            def retrieve_cached(i: int) -> None:
+                assert staged.retrieve(held[i % len(held)], dest).all()
 
-            def ideal(_i: int) -> None:
+            def ideal(i: int) -> None:
                 ray.get(ping.ping.remote())
-                copy_stored()
+                copy_stored(i)
 
-            def ideal_request(_i: int) -> None:
+            def ideal_request(i: int) -> None:
                 ray.get(ping.carry.remote(request))
-                copy_stored()
+                copy_stored(i)
 
             # Each baseline alternates with the retrieve alone: a third function in the
             # same loop would run the Ping actor twice per round and the manager once,
             # keeping Ping's process warmer on 2 cores.
             t_get, t_ideal = interleave(retrieve, ideal, read_reps(reps, mib))
             t_get2, t_ideal_req = interleave(retrieve, ideal_request, read_reps(reps, mib))
-            # The read cache on and off, alone: its effect is smaller than the noise of
-            # the figures above, so many alternations of just the two.
+            # The read cache on and off, alone: many alternations of just the two.
             t_ab, t_get_plain = interleave_all(
-                [retrieve, retrieve_uncached], 2 * read_reps(reps, mib)
+                [retrieve_cached, retrieve], 2 * read_reps(reps, mib)
             )
             assert torch.equal(dest, kv)
             s, c, y, c2 = spread(t_store), spread(t_copy), spread(t_sync), spread(t_copy2)
