@@ -62,15 +62,19 @@ def transfer_config(**extra: Any) -> dict[str, Any]:
 
 
 def make_llm(
-    model: Path, kv_transfer: dict[str, Any] | None, kv_bytes: int = 2 << 20, tp: int = 1
+    model: Path,
+    kv_transfer: dict[str, Any] | None,
+    kv_bytes: int = 2 << 20,
+    tp: int = 1,
+    **engine_args: Any,
 ) -> Any:
     """A vLLM engine on CPU; `kv_bytes` of KV cache (2 MiB: 128 blocks, 4k tokens).
     `tp` > 1: tensor parallel, one worker process per rank (each on one core)."""
     from vllm import LLM
 
-    parallel: dict[str, Any] = {}
+    parallel: dict[str, Any] = dict(engine_args)
     if tp > 1:
-        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+        parallel.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     return LLM(
         **parallel,
         model=str(model),
@@ -84,6 +88,50 @@ def make_llm(
         kv_transfer_config=kv_transfer,
         disable_log_stats=True,
     )
+
+
+def kv_events_config(port: int) -> Any:
+    """vLLM's KV events published over ZMQ to 127.0.0.1:`port` (vLLM connects to an
+    address that is not a wildcard: the `EventSink` binds it)."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"
+    )
+
+
+class EventSink:
+    """A subscriber to an engine's KV events (vLLM's ZMQ publisher), bound on
+    127.0.0.1:`port` before the engine starts, so it misses nothing the engine sends."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def events(self, seconds: float) -> list[Any]:
+        """Every event received within `seconds`."""
+        import time
+
+        out: list[Any] = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._poller.poll(int(left * 1000)):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                out.extend(self._decode(payload).events)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
 
 
 def sampling(max_tokens: int = 6) -> Any:

@@ -276,8 +276,9 @@ class ControllerReporter:
         self.seq += 1
         return self.seq
 
-    def lost(self) -> None:
-        """A batch may not have arrived (call failed): resync next time."""
+    def lost(self, tier: str | None = None) -> None:
+        """A batch may not have arrived (call failed), or `tier`'s index was rebuilt:
+        resync next time."""
         self.needs_resync = True
 
 

@@ -50,14 +50,19 @@ async def _read_peer(
     peer: Any, keys: list[CacheKey]
 ) -> tuple[list[PayloadMeta | None], list[Any], list[tuple[Any, int] | None]]:
     """A peer manager's `peer_read` of `keys`, fetched: (metas, arrays, where each array
-    lives: (object ref, index) or None). Each object is fetched once, concurrently; a
-    malformed reply raises (the pull counts every key as a miss)."""
+    lives: (object ref, index) or None). Each object is fetched once, concurrently; the
+    chunks of one that cannot be read are misses; a malformed reply raises (the pull
+    counts every key as a miss)."""
     metas, objects, places = await peer.peer_read.remote(keys)
     if not len(metas) == len(places) == len(keys):
-        raise ValueError(
-            f"the peer sent {len(metas)} metas, {len(places)} places for {len(keys)} keys"
-        )
-    values = await asyncio.gather(*objects) if objects else []
+        got = f"{len(metas)} metas, {len(places)} places"
+        raise ValueError(f"the peer sent {got} for {len(keys)} keys")
+    values = await asyncio.gather(*objects, return_exceptions=True) if objects else []
+    failed = {i for i, v in enumerate(values) if isinstance(v, BaseException)}
+    if failed:  # those chunks are misses, the others are served
+        logger.warning("%d of %d objects from a peer could not be read", len(failed), len(values))
+        places = [None if p is not None and p[0] in failed else p for p in places]
+        metas = [m if p is not None else None for m, p in zip(metas, places, strict=True)]
     arrays = [values[p[0]][p[1]] if p is not None else EMPTY for p in places]
     where = [(objects[p[0]], p[1]) if p is not None else None for p in places]
     return list(metas), arrays, where
@@ -127,6 +132,7 @@ class CPUStoreActor:
         # token, each copy's ack until the manager collects it (`settled`), and their keys.
         self._settling: dict[str, asyncio.Task] = {}
         self._copying: set[CacheKey] = set()
+        self._cancelled: set[CacheKey] = set()  # removed or cleared while being copied
         self._object_store_bytes = object_store_bytes()  # read once: ray.nodes() is costly
         self._object_store_ok = check_object_store(capacity_bytes, self._object_store_bytes)
 
@@ -413,7 +419,8 @@ class CPUStoreActor:
         store = self._store
         ack = CPUAck(self._incarnation)
         try:
-            new = [i for i, k in enumerate(keys) if k not in store]
+            cancelled = self._cancelled
+            new = [i for i, k in enumerate(keys) if k not in store and k not in cancelled]
             if new:
                 added = await self._admit(
                     ack,
@@ -426,8 +433,12 @@ class CPUStoreActor:
             del arrays
             ack.present = [k for k in keys if k in store and k not in ack.accepted]
             ack.refs = self._readable(keys)
+        except Exception as exc:  # never lose the ack: it carries what was evicted for room
+            logger.warning("copying %d chunks from a peer failed: %s", len(keys), exc)
+            ack.skipped = [k for k in keys if k not in store]
         finally:
             self._copying.difference_update(keys)
+            self._cancelled.difference_update(keys)
         if ack.evicted:
             self._signal_room()
         return self._record(ack)
@@ -519,6 +530,7 @@ class CPUStoreActor:
         return self._incarnation, self._seq
 
     async def remove(self, keys: list[CacheKey]) -> int:
+        self._cancelled.update(k for k in keys if k in self._copying)
         n = self._store.remove(keys)
         if n:
             self._signal_room()
@@ -528,6 +540,7 @@ class CPUStoreActor:
         return self._store.keys()
 
     async def clear(self) -> None:
+        self._cancelled.update(self._copying)
         self._store.clear()
         self._signal_room()
         self._record(CPUAck(self._incarnation))

@@ -37,8 +37,9 @@ from raykv.actors.peers import ControllerLink
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, ChunkSpan, leading
+from raykv.keys import CacheKey, ChunkSpan, KeyIdentity, leading
 from raykv.payload import PayloadMeta
+from raykv.tiers.cpulog import Cursor
 from raykv.tiers.index import (
     Lookup,
     tokens,
@@ -628,6 +629,13 @@ class ManagerCore:
         values = dict(zip(refs, await asyncio.gather(*refs), strict=True))
         arrays = [values[c.ref][c.index] for c in chunks]
         return await put_own(arrays, sum(c.meta.nbytes for c in chunks))
+
+    def cpu_events(
+        self, cursor: Cursor | None, identity: KeyIdentity
+    ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
+        """What entered and left the CPU tier since `cursor` for the keys of `identity`
+        (`CPULog.since`): the vLLM connector's KV events poll it."""
+        return self._t.cpu_log.since(cursor, identity)
 
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""

@@ -22,7 +22,8 @@ from raykv.actors.common import named_actor
 from raykv.actors.factory import actor_options
 from raykv.actors.manager_core import ManagerCore, RemoteProbe
 from raykv.config import RayKVConfig
-from raykv.keys import ChunkSpan
+from raykv.keys import ChunkSpan, KeyIdentity
+from raykv.tiers.cpulog import Cursor
 from raykv.wire import PackedSpans
 
 
@@ -141,6 +142,13 @@ class StorageManager:
         """See `ManagerCore.note_remote` (on this Ray thread: it only updates the index)."""
         with self._lock:
             self._core.note_remote(spans, start, found, failed)
+
+    def cpu_events(
+        self, cursor: Cursor | None, identity: KeyIdentity
+    ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
+        """See `ManagerCore.cpu_events` (on this Ray thread: it only reads the log)."""
+        with self._lock:
+            return self._core.cpu_events(cursor, identity)
 
     def get(
         self,

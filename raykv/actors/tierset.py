@@ -24,6 +24,7 @@ from raykv.actors.peers import ControllerLink
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.cpulog import CPULog, Reporters
 from raykv.tiers.index import PrefixIndex
 from raykv.tiers.remote import RemoteStore
 from raykv.wire import (
@@ -65,11 +66,12 @@ class TierSet:
         self._node_id = node_id
         self.link = link
         self.handles = get_or_create_tiers(config, node_id)
+        self.cpu_log = CPULog()  # for readers that poll (the vLLM connector's KV events)
         self.index = PrefixIndex(
             list(self.handles),
             lease_secs=config.pin_lease_secs,
             remote_index_max_keys=config.remote_index_max_keys,
-            reporter=link.reporter if link is not None else None,
+            reporter=Reporters(link.reporter if link is not None else None, self.cpu_log),
         )
         if link is not None:
             self.index.enable_peers()

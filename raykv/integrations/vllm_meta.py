@@ -1,11 +1,29 @@
-"""What the vLLM connector's scheduler side sends its workers each engine step: the loads
-and saves of the step (vLLM pickles the metadata to every worker)."""
+"""What the vLLM connector's scheduler side sends its workers each engine step (the loads
+and saves of the step: vLLM pickles the metadata to every worker), and what it tells
+vLLM's stats of a hit (the tiers it came from)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - depends on the vLLM version
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+_HIT_SOURCES: dict[str, Any] = (
+    {}
+    if CacheHitSource is None
+    else {
+        "cpu": CacheHitSource.HOST,
+        "disk": CacheHitSource.DISK,
+        "peer": CacheHitSource.P2P,
+        "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -45,4 +63,24 @@ class RayKVConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-__all__ = ["LoadSpec", "RayKVConnectorMetadata", "SaveSpec"]
+def hit_source_split(sources: list[tuple[str, int]], start: int, end: int) -> dict[Any, int]:
+    """Tokens [start, end) of a hit by vLLM's `CacheHitSource`, from a lookup's `sources`
+    (`[(tier, prefix tokens up to the end of its run), ...]`): CPU -> host, disk -> disk,
+    a peer's CPU -> p2p, the remote store -> external_unspecified. Tokens no source
+    covers (never expected) count as external_unspecified: said, not guessed."""
+    other = CacheHitSource.EXTERNAL_UNSPECIFIED
+    split: dict[Any, int] = {}
+    low = 0
+    for tier, high in sources:
+        n = min(end, high) - max(start, low)
+        if n > 0:
+            source = _HIT_SOURCES.get(tier, other)
+            split[source] = split.get(source, 0) + n
+        low = high
+    rest = end - start - sum(split.values())
+    if rest > 0:
+        split[other] = split.get(other, 0) + rest
+    return split
+
+
+__all__ = ["CacheHitSource", "LoadSpec", "RayKVConnectorMetadata", "SaveSpec", "hit_source_split"]

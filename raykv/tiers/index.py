@@ -264,7 +264,7 @@ class PrefixIndex:
         self.incarnations[tier] = incarnation
         self.counts["resyncs"] += 1
         if self.reporter is not None:
-            self.reporter.lost()  # the controller gets the rebuilt index as a snapshot
+            self.reporter.lost(tier)  # the controller gets the rebuilt index as a snapshot
 
     def drop(self, tier: str) -> None:
         """Forget what `tier` holds (it restarted or died); a resync rebuilds it."""
@@ -279,7 +279,7 @@ class PrefixIndex:
         self.down.add(tier)
         self.incarnations[tier] = None
         if self.reporter is not None:
-            self.reporter.lost()
+            self.reporter.lost(tier)
 
     # ----- lower-tier index upkeep -----
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import vllm_testing as vt
-from raykv_testing import RedisServer
+from raykv_testing import RedisServer, free_port
 
 if (_reason := vt.vllm_skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
@@ -27,6 +27,7 @@ import ray  # noqa: E402
 
 import raykv  # noqa: E402
 from raykv.actors.base import CPU_STORE_NAME  # noqa: E402
+from raykv.integrations.vllm_events import OWNERSHIP, POLL_S  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -41,7 +42,9 @@ PROMPTS = {
     "sources": vt.prompt(9, 3 * vt.CHUNK + 5),  # the hit-sources test
     "prompt_wait": vt.prompt(10, 3 * vt.CHUNK + 7),  # the lookup_wait_ms test
     "small_sync": vt.prompt(12, 3 * vt.CHUNK + 11),  # the small-hit test
+    "events": vt.prompt(13, 3 * vt.CHUNK + 9),  # the KV events test
 }
+SINKS: dict[str, vt.EventSink] = {}  # each engine's KV event subscriber, by namespace
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +90,14 @@ def engine(
     # The tiny model's hits are all small: with the default sync_load_max_bytes an async
     # engine would copy every one in its step. 0 keeps its loads async (one test turns it on).
     transfer = vt.transfer_config(load_mode=request.param, sync_load_max_bytes=0, **settings)
-    llm = vt.make_llm(model, transfer)
+    port = free_port()
+    SINKS[ns] = vt.EventSink(port)
+    llm = vt.make_llm(model, transfer, kv_events_config=vt.kv_events_config(port))
     kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
     try:
         yield llm, ns, kv
     finally:
+        SINKS.pop(ns).close()
         kv.close()
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -297,6 +303,63 @@ def test_another_cache_salt_is_a_miss_and_the_same_salt_a_hit(engine, reference)
     assert same["cached"] == 4 * vt.CHUNK
     for out in (other, unsalted, same):
         vt.assert_same_output(out, reference["tenant"])
+    wait_unpinned(kv)
+
+
+def _blocks_at(events: list[Any], tokens: list[int]) -> dict[int, Any]:
+    """Block hash by block index in `tokens`, from the `BlockStored` events among `events`
+    whose token ids are a block-aligned run of `tokens` (other prompts' are left out)."""
+    out: dict[int, Any] = {}
+    for e in events:
+        if type(e).__name__ != "BlockStored":
+            continue
+        n = len(e.token_ids)
+        for start in range(0, len(tokens) - n + 1, vt.BLOCK):
+            if tokens[start : start + n] == list(e.token_ids):
+                for i, h in enumerate(e.block_hashes):
+                    out[start // vt.BLOCK + i] = h
+                break
+    return out
+
+
+def test_kv_events_report_the_blocks_raykv_holds_until_it_drops_them(engine, reference):
+    """With vLLM's KV events on, raykv's CPU tier's blocks are published beside vLLM's
+    own (medium "CPU", ownership "raykv"): the prompt's whole chunks, with vLLM's block
+    hashes, once stored; removed once raykv drops them. (vLLM publishes when it steps:
+    a short request after each change lets it.)"""
+    llm, ns, kv = engine
+    sink, tokens = SINKS[ns], PROMPTS["events"]
+    sink.events(0.2)  # what earlier tests left
+    out = vt.run(llm, [tokens])[0]
+    vt.assert_same_output(out, reference["events"])
+    settle(llm, kv)
+    time.sleep(2 * POLL_S)  # the connector learns of the admissions
+    vt.run(llm, [PROMPTS["short"]], max_tokens=1)  # a step: vLLM publishes what it has
+    events = sink.events(1.0)
+    ours = [e for e in events if getattr(e, "ownership", None) == OWNERSHIP]
+    gpu = _blocks_at([e for e in events if getattr(e, "medium", None) == "GPU"], tokens)
+    stored = _blocks_at(ours, tokens)
+    whole = 3 * vt.CHUNK // vt.BLOCK  # the blocks of the prompt's whole chunks
+    assert sorted(stored) == list(range(whole))
+    assert [stored[i] for i in range(whole)] == [gpu[i] for i in range(whole)]
+    assert {e.medium for e in ours} == {"CPU"}
+    # raykv drops those chunks: their blocks are reported removed.
+    sched = scheduler_connector(llm)
+    mine = set(stored.values())
+    held = [k for k, blocks in sched._events._held.items() if set(blocks) <= mine]
+    like = sched._kv.hashed_spans([b"any"], [vt.CHUNK])[0].key  # this engine's key identity
+    keys = [like._replace(chunk_hash=h) for h in held]
+    assert len(keys) == 3
+    assert ray.get(sched._kv._manager.remove.remote(keys), timeout=30) >= len(keys)
+    time.sleep(2 * POLL_S)
+    vt.run(llm, [PROMPTS["short"]], max_tokens=1)
+    removed = {
+        h
+        for e in sink.events(1.0)
+        if type(e).__name__ == "BlockRemoved" and e.ownership == OWNERSHIP
+        for h in e.block_hashes
+    }
+    assert removed == mine
     wait_unpinned(kv)
 
 

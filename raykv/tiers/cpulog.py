@@ -1,0 +1,108 @@
+"""What entered and left the CPU tier, in order, for readers that poll (Ray-free).
+
+The manager's index tells its reporters what each CPU ack admitted and evicted
+(`PrefixIndex.reporter`); `CPULog` keeps the latest of those events numbered, so a
+reader that polls (the vLLM connector's KV events, `RayKVConnector.take_events`) gets
+each one once: `since(cursor, identity)` answers the events after `cursor` for one
+engine's keys and the cursor to pass next.
+
+A reader cannot always be told everything: the ring holds `capacity` events, and a CPU
+index rebuilt from a snapshot (`lost`: a CPU store restarted, an ack was lost) does not
+say which keys left meanwhile. `since` then answers None for the events, meaning "assume
+every key you were told of is gone"; the reader starts over from the cursor it is given.
+A cursor names its log (a restarted manager's log refuses it the same way).
+
+Nothing is recorded until the first `since`: a manager nobody polls pays nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from raykv.keys import CacheKey, KeyIdentity
+from raykv.wire import TIER_CPU
+
+CPU_LOG_EVENTS = 16384
+
+# A reader's position: (the log's id, events numbered so far, CPU losses so far).
+Cursor = tuple[str, int, int]
+
+
+class CPULog:
+    """The latest CPU admissions and evictions (a reporter of `PrefixIndex`)."""
+
+    def __init__(self, capacity: int = CPU_LOG_EVENTS) -> None:
+        # (admitted, key) pairs; the first one is event number `self._next - len(ring)`.
+        self._ring: deque[tuple[bool, CacheKey]] = deque(maxlen=capacity)
+        self._id = uuid.uuid4().hex
+        self._next = 0
+        self._losses = 0
+        self._on = False
+
+    def admitted(self, tier: str, keys: Iterable[CacheKey]) -> None:
+        self._record(True, tier, keys)
+
+    def evicted(self, tier: str, keys: Iterable[CacheKey]) -> None:
+        self._record(False, tier, keys)
+
+    def _record(self, admitted: bool, tier: str, keys: Iterable[CacheKey]) -> None:
+        if self._on and tier == TIER_CPU:
+            for key in keys:
+                self._ring.append((admitted, key))
+                self._next += 1
+
+    def lost(self, tier: str | None = None) -> None:
+        """`tier`'s index was rebuilt (None: every tier's): keys may have left unrecorded."""
+        if tier in (None, TIER_CPU):
+            self._losses += 1
+
+    def since(
+        self, cursor: Cursor | None, identity: KeyIdentity
+    ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
+        """The events after `cursor` for keys of `identity` (`CacheKey.identity`: model,
+        world size, worker, dtype), as `(admitted, chunk hash)` pairs in order, and the
+        cursor to pass next. None for the events when the log cannot say (the reader's
+        first call, a loss since `cursor`, events that fell off the ring, a cursor of
+        another log): the reader assumes every key it was told of gone."""
+        self._on = True
+        now = (self._id, self._next, self._losses)
+        if cursor is None or tuple(cursor[::2]) != (self._id, self._losses):
+            return now, None
+        start = cursor[1] - (self._next - len(self._ring))
+        if start < 0 or cursor[1] > self._next:
+            return now, None
+        identity = tuple(identity)
+        events = [
+            (admitted, key.chunk_hash)
+            for admitted, key in itertools.islice(self._ring, start, None)
+            if key.identity == identity
+        ]
+        return now, events
+
+
+class Reporters:
+    """Several `PrefixIndex` reporters as one (the controller's and the CPU log)."""
+
+    def __init__(self, *reporters: Any) -> None:
+        self._all = [r for r in reporters if r is not None]
+
+    def admitted(self, tier: str, keys: Iterable[CacheKey]) -> None:
+        keys = list(keys)
+        for r in self._all:
+            r.admitted(tier, keys)
+
+    def evicted(self, tier: str, keys: Iterable[CacheKey]) -> None:
+        keys = list(keys)
+        for r in self._all:
+            r.evicted(tier, keys)
+
+    def lost(self, tier: str | None = None) -> None:
+        for r in self._all:
+            r.lost(tier)
+
+
+__all__ = ["CPU_LOG_EVENTS", "CPULog", "Cursor", "Reporters"]
