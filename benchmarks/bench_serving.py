@@ -289,6 +289,28 @@ def group_rss(extra: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def actor_memory(group: str = "raykv") -> dict[str, tuple[float, float]]:
+    """MiB of (RSS, USS) of each process of `group`, by actor class. RSS counts the pages
+    of Ray's shared object store a process touched (reading or writing objects); USS
+    (unique set size) counts only its own memory."""
+    import psutil
+
+    pattern = dict(GROUPS)[group]
+    out: dict[str, tuple[float, float]] = {}
+    for name, proc in processes():
+        if name != group:
+            continue
+        try:
+            m = pattern.search(" ".join(proc.cmdline()))
+            info = proc.memory_full_info()
+        except psutil.Error:
+            continue
+        label = m.group(1) if m and m.groups() else str(proc.pid)
+        rss, uss = out.get(label, (0.0, 0.0))
+        out[label] = (rss + info.rss / 2**20, uss + info.uss / 2**20)
+    return out
+
+
 def object_store_bytes() -> float:
     """MiB in Ray's object store (plasma) now."""
     from ray._private.internal_api import memory_summary

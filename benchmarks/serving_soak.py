@@ -20,6 +20,7 @@ from benchmarks.bench_serving import (
     ARMS,
     CHUNK,
     MODEL_ID,
+    actor_memory,
     group_rss,
     llm_config,
     object_store_bytes,
@@ -84,6 +85,7 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
                     {
                         "min": now / 60,
                         "rss_mib": group_rss({"redis": redis.proc.pid if redis.proc else 0}),
+                        "raykv_mib": actor_memory(),
                         "store_mib": object_store_bytes(),
                         "requests": len(results),
                         "errors": sum(1 for r in results if r.error),
@@ -148,11 +150,35 @@ def report_soak(soaked: dict[str, Any], summary: Summary) -> None:
             for s in soaked["samples"]
         ],
     )
+    actors = sorted({a for s in soaked["samples"] for a in s.get("raykv_mib", {})})
+    if actors:
+        print("\nraykv's actors, RSS / USS MiB (USS: without the object-store pages it touched)")
+        print_table(
+            ["minute", *actors],
+            [
+                [
+                    f"{s['min']:.0f}",
+                    *(
+                        "{:.0f} / {:.0f}".format(*s["raykv_mib"][a]) if a in s["raykv_mib"] else "-"
+                        for a in actors
+                    ),
+                ]
+                for s in soaked["samples"]
+            ],
+        )
     for e in soaked["events"]:
         back = "never (120 s)" if e["hits_after_s"] is None else f"{e['hits_after_s']:.1f} s"
         print(f"{e['event']} at minute {e['at_min']:.1f}: hits back after {back}")
     summary.goal("soak: HTTP errors == 0", soaked["errors"], soaked["errors"] == 0)
     late = [s for s in soaked["samples"] if s["min"] >= 5]
+    if len(late) >= 2 and actors:  # raykv's own memory: the USS of its live actors
+        uss = [sum(u for _, u in s.get("raykv_mib", {}).values()) for s in late]
+        if uss[0]:
+            summary.goal(
+                "soak: raykv USS growth after minute 5 <= 5 %",
+                round(max(uss) / uss[0] - 1, 3),
+                max(uss) / uss[0] <= 1.05,
+            )
     if len(late) >= 2:
         for g in groups:
             first, peak = (
