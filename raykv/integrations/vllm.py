@@ -229,7 +229,7 @@ class RayKVConnector(KVConnectorBase_V1):
             self._warn_other_layouts(engine_layout(vllm_config, kv_cache_config))
             events = vllm_config.kv_events_config
             if self._keyed and events is not None and events.enable_kv_cache_events:
-                identity = self._kv.hashed_spans([b"0"], [self._chunk])[0].key.identity
+                identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
         # Counters for tests and logs: scheduler side, then worker side.
         self.lookups = 0

@@ -76,7 +76,6 @@ class KVEvents:
         self._out: list[KVCacheEvent] = []
         self._cursor: tuple[str, int, int] | None = None
         self._stop = threading.Event()
-        self.polls = 0
         self._poll()  # the starting cursor, before any save is planned
         self._thread = threading.Thread(target=self._run, name="raykv-kv-events", daemon=True)
         self._thread.start()
@@ -138,7 +137,6 @@ class KVEvents:
         cursor, changes = reply
         with self._lock:
             first, self._cursor = self._cursor is None, tuple(cursor)
-            self.polls += 1
             if changes is None:
                 if not first:  # the manager lost track: everything reported may be gone
                     self._removed(list(self._held))

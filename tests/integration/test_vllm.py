@@ -28,6 +28,7 @@ import ray  # noqa: E402
 import raykv  # noqa: E402
 from raykv.actors.base import CPU_STORE_NAME  # noqa: E402
 from raykv.integrations.vllm_events import OWNERSHIP, POLL_S  # noqa: E402
+from raykv.keys import CacheKey  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -347,8 +348,7 @@ def test_kv_events_report_the_blocks_raykv_holds_until_it_drops_them(engine, ref
     sched = scheduler_connector(llm)
     mine = set(stored.values())
     held = [k for k, blocks in sched._events._held.items() if set(blocks) <= mine]
-    like = sched._kv.hashed_spans([b"any"], [vt.CHUNK])[0].key  # this engine's key identity
-    keys = [like._replace(chunk_hash=h) for h in held]
+    keys = CacheKey.many(sched._events._identity, held)
     assert len(keys) == 3
     assert ray.get(sched._kv._manager.remove.remote(keys), timeout=30) >= len(keys)
     time.sleep(2 * POLL_S)
