@@ -9,7 +9,18 @@ payloads) and `index_copy_` (the same scatter into the same preallocated buffers
 CUDA one `copy_` of a contiguous tensor of the same size, device -> pinned host and
 host -> device, into preallocated tensors.
 
-Part 2 times a full prefill of prefix + 256-token suffix against a prefill of the
+Part 2 does the same for `PageConnector`, the copy raykv's vLLM connector makes:
+whole pages of per-layer caches `[num_blocks, kv_heads, BLOCK, 2 * head_dim]` (vLLM's
+flash-attention shape), random blocks, one request's chunks per call. A save is
+`save_batch` into warm (on CUDA: pinned) buffers until its bytes are there, against one
+copy of the same bytes from a contiguous source into a warm buffer (CPU: `np.copyto`,
+a memcpy; CUDA: one `copy_` device -> pinned host); on CUDA it also reports what the
+engine's thread pays, the `save_batch` call alone. A load is `load_batch` (CPU:
+`load` per chunk) until the blocks hold the bytes, against one copy of the same bytes
+into a warm contiguous buffer (CPU: memcpy; CUDA: from pinned host memory, and from
+pageable memory as an object-store payload is).
+
+Part 3 times a full prefill of prefix + 256-token suffix against a prefill of the
 suffix alone with the prefix KV already in the model's cache: the speedup a cache
 hit could give at best (loading the KV is not counted).
 
@@ -25,10 +36,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from benchmarks._util import Summary, extent, spread
 from raykv.connector import GPUConnector
+from raykv.page_connector import PageConnector
 
 CHUNK = 256
 BLOCK = 16
@@ -139,6 +152,120 @@ def bench_connector(args: argparse.Namespace) -> None:
             )
 
 
+def bench_pages(args: argparse.Namespace) -> None:
+    """PageConnector's batched save and load (the vLLM connector's copies) against one
+    copy of the same bytes, alternating."""
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    blocks_needed = args.tokens // BLOCK
+    num_blocks = 2 * blocks_needed  # half the blocks are used, in random order
+    shape = (num_blocks, args.kv_heads, BLOCK, 2 * args.head_dim)
+    layers = [
+        torch.randn(shape, dtype=torch.float32).to(dtype).to(device) for _ in range(args.layers)
+    ]
+    conn = PageConnector(layers)
+    ids = torch.randperm(num_blocks)[:blocks_needed].tolist()
+    per_chunk = CHUNK // BLOCK
+    sizes = [min(per_chunk, blocks_needed - a) for a in range(0, blocks_needed, per_chunk)]
+    nbytes = blocks_needed * conn.block_nbytes
+    print(
+        f"\n== pages: {args.layers} layers of {dtype} {list(shape)}, {args.tokens} tokens "
+        f"({nbytes / 2**20:.0f} MiB) in {len(sizes)} chunks of {CHUNK}, device {device}"
+    )
+
+    def warm(n: int) -> np.ndarray:
+        if cuda:
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+        out = np.empty(n, dtype=np.uint8)
+        out.fill(0)  # touched: a warm buffer, as the save pool's are
+        return out
+
+    outs = [warm(conn.meta(n).nbytes) for n in sizes]
+    metas, copied = conn.save_batch(ids, sizes, outs)
+    copied.synchronize()
+    parts = []
+    at = 0
+    for n, out, meta in zip(sizes, outs, metas, strict=True):
+        parts.append((out, meta, ids[at : at + n], 0))
+        at += n
+
+    def save() -> None:
+        conn.save_batch(ids, sizes, outs)[1].synchronize()
+
+    def load() -> None:
+        conn.load_batch(parts).synchronize()
+
+    if cuda:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pageable = torch.ones(nbytes, dtype=torch.uint8)  # touched, not pinned
+
+        def base_save() -> object:
+            return pinned.copy_(dev, non_blocking=True)
+
+        def base_load() -> object:
+            return dev.copy_(pinned, non_blocking=True)
+
+        def base_load_pageable() -> object:  # a payload in the object store is pageable
+            return dev.copy_(pageable, non_blocking=True)
+
+        rows = [
+            ("save_batch", save, base_save, "one copy_ device -> pinned host"),
+            ("load_batch", load, base_load, "one copy_ pinned host -> device"),
+            ("load_batch", load, base_load_pageable, "one copy_ pageable host -> device"),
+        ]
+    else:
+        src, dst = warm(nbytes), warm(nbytes)
+        src[:] = 1
+
+        def base_save() -> object:
+            return np.copyto(dst, src)
+
+        rows = [
+            ("save_batch", save, base_save, "memcpy of the same bytes"),
+            ("load_batch", load, base_save, "memcpy of the same bytes"),
+        ]
+    gb = nbytes / 1e9
+    for what, fn, base, base_name in rows:
+        ours, theirs = paired(fn, base, args.repeats, cuda)
+        o, b = spread(ours), spread(theirs)
+        rng = (gb / o["max"], gb / o["min"])
+        SUMMARY.row(f"pages {what}", gb / o["median"], "GB/s", base_name, gb / b["median"], rng)
+        print(
+            f"{'pages':>10} {what:<14} {gb / o['median']:6.2f} GB/s [{rng[0]:.2f}-{rng[1]:.2f}]"
+            f"   {base_name:>34} {gb / b['median']:6.2f} GB/s"
+            f"   time ratio {o['median'] / b['median']:.2f}"
+        )
+    if cuda:  # what the engine's thread pays in wait_for_save: the call, not the copy
+        calls, copies = [], []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            conn.save_batch(ids, sizes, outs)
+            calls.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            base_save()
+            torch.cuda.synchronize()
+            copies.append(time.perf_counter() - t0)
+        c, b = spread(calls), spread(copies)
+        name = "one copy_ device -> pinned host"
+        SUMMARY.row(
+            "pages save_batch call (engine thread)",
+            c["median"] * 1e3,
+            "ms",
+            name,
+            b["median"] * 1e3,
+            extent(calls, 1e3),
+        )
+        print(
+            f"{'pages':>10} save_batch call on the engine thread {c['median'] * 1e3:.3f} ms "
+            f"[{c['min'] * 1e3:.3f}-{c['max'] * 1e3:.3f}]   {name} {b['median'] * 1e3:.3f} ms"
+            f"   time ratio {c['median'] / b['median']:.3f}"
+        )
+
+
 def bench_model(args: argparse.Namespace) -> None:
     from transformers import DynamicCache
 
@@ -225,6 +352,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     torch.manual_seed(0)
     bench_connector(args)
+    bench_pages(args)
     if not args.skip_model:
         bench_model(args)
     SUMMARY.write(args.json)

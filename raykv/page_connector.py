@@ -4,9 +4,10 @@ attention backend, since only whole blocks move.
 
 On CUDA the batched calls never make the engine's thread wait for the device:
 
-* `load_batch`: a request's chunks are packed layer-major into one pinned host buffer
-  (torch's caching host allocator: pinned once, reused once its copies are done), sent
-  in one host->device copy on a load stream and scattered into the blocks there; the
+* `load_batch`: a request's chunks are packed layer-major into pinned host slabs
+  (torch's caching host allocator: pinned once, reused once its copies are done), each
+  sent to the device on a load stream while the next is packed, and scattered into the
+  blocks there; the
   returned event says when the blocks hold them (a loader thread waits on it, a
   synchronous load makes the compute stream wait on it).
 * `save_batch`: a save stream waits for the compute stream's work so far, gathers the
@@ -32,6 +33,23 @@ from raykv.payload import LAYOUT_PAGES, PayloadMeta, buffer_to_tensor
 
 # (payload buffer, its meta, block ids to fill, first payload block): one `load` call.
 LoadPart = tuple[Any, PayloadMeta, Sequence[int], int]
+# A CUDA load packs its parts into pinned slabs of about this size, each sent to the
+# device as soon as it is packed, so packing and the bus overlap.
+LOAD_SLAB_BYTES = 64 << 20
+
+
+def _slabs(parts: list[tuple[Any, torch.Tensor]], blocks: int) -> list[list[Any]]:
+    """`parts` (source, block index) in order, grouped into runs of about `blocks` blocks
+    (at least one part each)."""
+    out: list[list[Any]] = [[]]
+    size = 0
+    for part in parts:
+        if out[-1] and size + len(part[1]) > blocks:
+            out.append([])
+            size = 0
+        out[-1].append(part)
+        size += len(part[1])
+    return out
 
 
 class DoneEvent:
@@ -201,10 +219,11 @@ class PageConnector:
 
     def load_batch(self, parts: Sequence[LoadPart]) -> Any:
         """`load` of several payloads: an event that is done once the blocks hold them (on
-        CPU, at once: the parts are copied one by one). On CUDA the parts go through one
-        pinned host buffer, one host->device copy and a scatter on the load stream;
-        before the blocks are read, wait for the event (`event.synchronize()` on a
-        loader thread, or `wait_on_compute(event)` before a forward pass)."""
+        CPU, at once: the parts are copied one by one). On CUDA the parts go through
+        pinned slabs of `LOAD_SLAB_BYTES` (the host packs one while the last crosses the
+        bus) and one scatter per layer on the load stream; before the blocks are read,
+        wait for the event (`event.synchronize()` on a loader thread, or
+        `wait_on_compute(event)` before a forward pass)."""
         if not self.batched:
             for buf, meta, block_ids, first in parts:
                 self.load(buf, meta, block_ids, first)
@@ -216,17 +235,25 @@ class PageConnector:
             return DONE
         total = sum(len(idx) for _src, idx in checked)
         row = self.block_nbytes // len(self.layers)
-        staging = torch.empty((len(self.layers), total, row), dtype=torch.uint8, pin_memory=True)
-        at = 0
-        for src, idx in checked:
-            n = len(idx)
-            staging[:, at : at + n].copy_(src.contiguous().view(torch.uint8).reshape(-1, n, row))
-            at += n
         ids = torch.cat([idx for _src, idx in checked]).pin_memory()
         stream = self._load_stream
         with torch.cuda.stream(stream):
-            dev = staging.to(self.device, non_blocking=True)
+            dev = torch.empty((len(self.layers), total, row), dtype=torch.uint8, device=self.device)
             didx = ids.to(self.device, non_blocking=True)
+        # Slabs: the host packs slab k+1 into pinned memory while slab k crosses the bus.
+        at = 0
+        for group in _slabs(checked, LOAD_SLAB_BYTES // self.block_nbytes):
+            n = sum(len(idx) for _src, idx in group)
+            staging = torch.empty((len(self.layers), n, row), dtype=torch.uint8, pin_memory=True)
+            k = 0
+            for src, idx in group:
+                m = len(idx)
+                staging[:, k : k + m].copy_(src.contiguous().view(torch.uint8).reshape(-1, m, row))
+                k += m
+            with torch.cuda.stream(stream):  # the caching host allocator keeps `staging`
+                dev[:, at : at + n].copy_(staging, non_blocking=True)  # until this ran
+            at += n
+        with torch.cuda.stream(stream):
             for i, layer in enumerate(self.layers):
                 pages = dev[i].view(self.dtype).reshape(total, *self.block_shape)
                 layer.index_copy_(0, didx, pages)

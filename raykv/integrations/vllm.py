@@ -41,7 +41,8 @@ Nothing holds the engine still (`load_mode: async`, the default):
   copy on a load stream per request, waited for by the loader thread (or, in-step, by
   the compute stream); a save gathers on a save stream into pinned buffers, the compute
   stream waits only for that gather, and the saver thread waits for the copy's event.
-  Written and unit-tested where a CUDA device is present; no GPU has run it yet.
+  These copies and their stream order ran on an H100 (tests/unit/test_page_connector.py,
+  docs/BENCHMARKS.md); the connector inside a CUDA vLLM engine has not run yet.
 
 With vLLM's KV events on (`kv_events_config`), the connector also reports the blocks raykv's
 CPU tier holds (`take_events`, medium "CPU", ownership "raykv"; see

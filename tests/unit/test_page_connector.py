@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from raykv import page_connector
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.page_connector import PageConnector
 from raykv.payload import LAYOUT_PAGES, PayloadMeta, decode, encode
@@ -273,6 +274,118 @@ def test_save_batch_bytes_are_the_blocks_of_the_step_even_if_the_blocks_are_reus
         assert same_bits(got[0][i], want[i][[5, 1]]) and same_bits(got[1][i], want[i][[3]])
     with pytest.raises(InvalidInputError, match="must split"):
         conn.save_batch([5, 1], [3], outs[:1])
+
+
+# ----- CUDA: stream order, no host waits, pinned staging reused safely -----
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STALL = 1_000_000_000  # GPU clock cycles of torch.cuda._sleep: ~0.5 s on a data-centre GPU
+
+
+def cuda_cache(seed: int) -> list[torch.Tensor]:
+    return [t.cuda() for t in make_cache(torch.bfloat16, seed=seed)]
+
+
+@cuda_only
+def test_save_batch_waits_for_the_forward_on_the_device_not_on_the_host():
+    layers = cuda_cache(51)
+    newer = [t.cuda() for t in make_cache(torch.bfloat16, seed=52)]
+    conn = PageConnector(layers)
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(STALL)  # a long forward pass, still running when the save is made
+    for layer, new in zip(layers, newer, strict=True):
+        layer.copy_(new)  # ... that writes the blocks the save reads
+    outs = [torch.empty(conn.meta(2).nbytes, dtype=torch.uint8, pin_memory=True).numpy()]
+    metas, copied = conn.save_batch([6, 3], [2], outs)
+    assert not compute.query() and not copied.query()  # the host did not wait
+    copied.synchronize()
+    got = torch.from_numpy(outs[0]).view(torch.bfloat16).reshape(metas[0].shape)
+    for i in range(NUM_LAYERS):
+        assert same_bits(got[i], newer[i][[6, 3]].cpu())
+
+
+@cuda_only
+def test_an_in_step_load_orders_the_forward_after_the_copy_without_a_host_wait():
+    src = make_cache(torch.bfloat16, seed=53)
+    [(buf, meta)] = payloads_of(PageConnector(src), [[2, 5, 1]])
+    dst = cuda_cache(54)
+    conn = PageConnector(dst)
+    with torch.cuda.stream(conn._load_stream):
+        torch.cuda._sleep(STALL)  # a load stream busy with an earlier request's copy
+    written = conn.load_batch([(buf, meta, [0, 7, 4], 0)])
+    assert not written.query()  # returned before the copy ran
+    conn.wait_on_compute(written)
+    seen = [layer[[0, 7, 4]].clone() for layer in dst]  # the forward reads the blocks
+    torch.cuda.synchronize()
+    for i in range(NUM_LAYERS):
+        assert same_bits(seen[i].cpu(), src[i][[2, 5, 1]])
+
+
+@cuda_only
+def test_back_to_back_loads_never_share_a_pinned_staging_buffer_in_flight():
+    # load_batch drops its pinned staging buffer on return, while the copy from it may
+    # not have run: the next load (same size) must not be handed the same memory.
+    src = make_cache(torch.bfloat16, seed=55)
+    first, second = payloads_of(PageConnector(src), [[1, 2], [5, 6]])
+    dst = cuda_cache(56)
+    conn = PageConnector(dst)
+    with torch.cuda.stream(conn._load_stream):
+        torch.cuda._sleep(STALL)
+    events = [
+        conn.load_batch([(*first, [0, 3], 0)]),
+        conn.load_batch([(*second, [4, 7], 0)]),
+    ]
+    for event in events:
+        event.synchronize()
+    for i in range(NUM_LAYERS):
+        got = dst[i].cpu()
+        assert same_bits(got[[0, 3]], src[i][[1, 2]])
+        assert same_bits(got[[4, 7]], src[i][[5, 6]])
+
+
+@cuda_only
+def test_a_load_in_many_slabs_writes_every_part(monkeypatch):
+    monkeypatch.setattr(page_connector, "LOAD_SLAB_BYTES", 1)  # one part per slab
+    src = make_cache(torch.float16, seed=59)
+    parts = payloads_of(PageConnector(src), [[1, 2], [3], [4, 5, 6]])
+    dst = cuda_cache(60)
+    conn = PageConnector([t.half() for t in dst])
+    conn.load_batch(
+        [(*parts[0], [7, 0], 0), (*parts[1], [2], 0), (*parts[2], [3, 4], 1)]
+    ).synchronize()
+    for i in range(NUM_LAYERS):
+        got = conn.layers[i].cpu()
+        assert same_bits(got[[7, 0, 2, 3, 4]], src[i][[1, 2, 3, 5, 6]])
+
+
+def test_slabs_keep_the_order_and_hold_at_least_one_part():
+    parts = [(None, torch.zeros(n)) for n in (3, 1, 4, 1, 5)]
+    groups = page_connector._slabs(parts, 4)
+    assert [[len(p[1]) for p in g] for g in groups] == [[3, 1], [4], [1], [5]]
+    assert [len(g) for g in page_connector._slabs(parts, 100)] == [5]
+
+
+@cuda_only
+def test_loads_and_saves_from_worker_threads_as_the_vllm_connector_makes_them():
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = make_cache(torch.bfloat16, seed=57)
+    payloads = payloads_of(PageConnector(src), [[1], [2], [3], [4]])
+    dst = cuda_cache(58)
+    conn = PageConnector(dst)
+    targets = [[0], [5], [6], [7]]
+
+    def load(k: int) -> None:  # the loader thread: submit, then wait for the event
+        conn.load_batch([(*payloads[k], targets[k], 0)]).synchronize()
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(load, range(4)))
+        outs = [torch.empty(conn.meta(4).nbytes, dtype=torch.uint8, pin_memory=True).numpy()]
+        metas, copied = conn.save_batch([0, 5, 6, 7], [4], outs)  # the engine's thread
+        pool.submit(copied.synchronize).result()  # the saver thread waits, then reads
+    got = torch.from_numpy(outs[0]).view(torch.bfloat16).reshape(metas[0].shape)
+    for i in range(NUM_LAYERS):
+        assert same_bits(got[i], src[i][[1, 2, 3, 4]])
 
 
 # ----- validation -----
