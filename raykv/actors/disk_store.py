@@ -8,7 +8,7 @@ import ray
 
 from raykv.actors.base import DISK_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor, resolve_batch
-from raykv.actors.memory import reuse_freed_buffers
+from raykv.actors.memory import IdleTrim, reuse_freed_buffers
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.disk import DiskStore
@@ -34,6 +34,7 @@ class DiskStoreActor:
 
     def __init__(self, config: Any, **overrides: Any) -> None:
         reuse_freed_buffers()  # every read fills a fresh chunk-sized buffer
+        self._trim = IdleTrim()  # ... given back once the reads stop
         self._store = DiskStore.from_config(config, **overrides)
 
     @ray.method(concurrency_group="write")
@@ -54,6 +55,7 @@ class DiskStoreActor:
 
     @ray.method(num_returns=2, concurrency_group="read")
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
+        self._trim.note()
         return self._store.get_batch(keys)
 
     @ray.method(concurrency_group="read")

@@ -14,7 +14,7 @@ import ray
 from raykv.actors.base import REMOTE_STORE_NAME
 from raykv.actors.common import get_or_create_node_actor
 from raykv.actors.kv_server import open_remote
-from raykv.actors.memory import reuse_freed_buffers
+from raykv.actors.memory import IdleTrim, reuse_freed_buffers
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.tiers.remote import RemoteStore
@@ -29,6 +29,7 @@ class RemoteStoreActor:
 
     def __init__(self, config: Any, timeout_s: float | None = None) -> None:
         reuse_freed_buffers()  # every read decodes into fresh chunk-sized buffers
+        self._trim = IdleTrim()  # ... given back once the reads stop
         self._store = open_remote(config, timeout_s=timeout_s)
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
@@ -39,6 +40,7 @@ class RemoteStoreActor:
 
     @ray.method(num_returns=2)
     async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
+        self._trim.note()
         return await self._store.get_batch(keys)
 
     async def contains(self, keys: list[CacheKey] | PackedKeys) -> list[bool]:

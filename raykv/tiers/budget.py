@@ -284,9 +284,78 @@ class BoundedKeySet:
         self._keys.clear()
 
 
+_HEX = "0123456789abcdef"
+
+
+class CompactKeySet(BoundedKeySet):
+    """A `BoundedKeySet` of `CacheKey`s that stores each as one int: its 128-bit chunk
+    hash and the number of its identity (model, world size, worker, dtype), kept once.
+
+    The manager's remote-tier index holds up to `remote_index_max_keys` (1M by default)
+    keys: as tuples of fresh strings they cost ~0.3-0.6 KiB each (measured in the 30-minute
+    soak), as ints ~0.15 KiB. Iterating gives the keys back, equal to those added. A key
+    whose hash is not 32 lower-case hex digits is kept as it is.
+    """
+
+    __slots__ = ("_ids", "_identities")
+
+    def __init__(self, max_keys: int, keys: Iterable[Hashable] = ()) -> None:
+        self._ids: dict[tuple, int] = {}
+        self._identities: list[tuple] = []
+        super().__init__(max_keys, keys)
+
+    def _encode(self, key: Any, add: bool) -> Hashable | None:
+        """`key` as stored; None if it cannot be in the set (an identity never added)."""
+        try:
+            h = key[3]
+            ident = (key[0], key[1], key[2], key[4])
+        except (TypeError, IndexError, KeyError):
+            return key
+        if not isinstance(h, str) or len(h) != 32 or h.strip(_HEX):
+            return key
+        no = self._ids.get(ident)
+        if no is None:
+            if not add:
+                return None
+            no = self._ids[ident] = len(self._identities)
+            self._identities.append(ident)
+        return (no << 128) | int(h, 16)
+
+    def _decode(self, item: Hashable) -> Hashable:
+        if not isinstance(item, int):
+            return item
+        from raykv.keys import CacheKey
+
+        model, world, worker, dtype = self._identities[item >> 128]
+        return CacheKey(model, world, worker, f"{item & ((1 << 128) - 1):032x}", dtype)
+
+    def __contains__(self, key: object) -> bool:
+        item = self._encode(key, add=False)
+        return item is not None and item in self._keys
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return (self._decode(item) for item in list(self._keys))
+
+    def update(self, keys: Iterable[Hashable]) -> None:
+        super().update(self._encode(k, add=True) for k in keys)
+
+    def difference_update(self, keys: Iterable[Hashable]) -> None:
+        items = (self._encode(k, add=False) for k in keys)
+        super().difference_update(i for i in items if i is not None)
+
+    def intersection(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        return {k for k in keys if k in self}
+
+    def clear(self) -> None:
+        super().clear()
+        self._ids.clear()
+        self._identities.clear()
+
+
 __all__ = [
     "DEFAULT_EXPECTED_CHUNK_BYTES",
     "BoundedKeySet",
+    "CompactKeySet",
     "ByteBudgetIndex",
     "check_priority",
     "check_put_lengths",

@@ -28,7 +28,7 @@ from typing import Any
 
 from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, leading
-from raykv.tiers.budget import BoundedKeySet
+from raykv.tiers.budget import BoundedKeySet, CompactKeySet
 from raykv.tiers.lease import Leases
 from raykv.wire import (
     TIER_CPU,
@@ -136,7 +136,7 @@ class PrefixIndex:
 
     def _new_lower(self, tier: str, keys: Iterable[CacheKey] = ()) -> set[CacheKey] | BoundedKeySet:
         if tier == TIER_REMOTE:
-            return BoundedKeySet(self._remote_max, keys)
+            return CompactKeySet(self._remote_max, keys)
         return set(keys)
 
     def enable_peers(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 from raykv_testing import chunk_key
 
 from raykv.errors import InvalidInputError
-from raykv.keys import ChunkSpan, leading
+from raykv.keys import CacheKey, ChunkSpan, leading
 from raykv.payload import PayloadMeta
 from raykv.tiers.index import PrefixIndex
 from raykv.wire import (
@@ -253,6 +253,44 @@ def test_remote_index_is_bounded():
     ix = index(remote_index_max_keys=3)
     ix.found_remote([key(i) for i in range(5)])
     assert len(ix.lower[TIER_REMOTE]) == 3 and key(0) not in ix.lower[TIER_REMOTE]
+
+
+def test_the_remote_index_gives_back_the_keys_it_was_given():
+    ix = index(remote_index_max_keys=10)
+    odd = CacheKey("m", 1, 0, "not-hex", "float16")  # kept as it is
+    other = CacheKey("n%40x", 2, 1, "ab" * 16, "bfloat16")
+    keys = [key(1), key(2), other, odd]
+    ix.found_remote(keys)
+    remote = ix.lower[TIER_REMOTE]
+    assert list(remote) == keys and all(type(k) is CacheKey for k in remote)
+    assert key(3) not in remote and CacheKey("zz", 1, 0, "00" * 16, "float16") not in remote
+    assert remote.intersection([key(2), key(3), odd]) == {key(2), odd}
+    remote.difference_update([key(1), odd, key(9)])
+    assert list(remote) == [key(2), other]
+    ix.found_remote([key(2)])  # re-confirmed: now the newest
+    assert list(remote)[-1] == key(2)
+
+
+def test_the_remote_index_holds_a_million_keys_in_well_under_the_memory_of_the_keys():
+    import os
+    import pickle
+    import tracemalloc
+
+    ident = ("Qwen/Qwen2.5-0.5B-Instruct#" + "layout-fingerprint" * 6, 1, 0, "float32")
+    # keys as they arrive in acks: unpickled in small batches, each with fresh strings
+    batches = [
+        pickle.dumps(CacheKey.many(ident, [os.urandom(16).hex() for _ in range(2)]))
+        for _ in range(10_000)
+    ]
+    ix = index(remote_index_max_keys=1 << 20)
+    tracemalloc.start()
+    try:
+        for b in batches:
+            ix.found_remote(pickle.loads(b))
+        per_key = tracemalloc.get_traced_memory()[0] / len(ix.lower[TIER_REMOTE])
+    finally:
+        tracemalloc.stop()
+    assert per_key < 200, f"{per_key:.0f} bytes per remote key"  # whole keys: ~390
 
 
 def test_pins_are_per_lookup_and_leases_expire():
