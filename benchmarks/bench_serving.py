@@ -33,7 +33,9 @@ order (`docqa`, `docqa-random`), vLLM's `prefix_repetition` shape (`prefix`), no
 Reported per arm and workload, min / median / max over repeats: TTFT p50/p90/p99 (and
 for hits and misses, by round), inter-token p50/p99, requests/s and prompt tokens/s,
 prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
-`prompt_tokens_cached_by_source`, which raykv's connector fills), CPU-seconds per request
+`prompt_tokens_cached_by_source`, which raykv's connector fills), raykv's hit tokens that
+another engine stored (the connector's `raykv_hit_tokens_by_filler`: with two replicas,
+what one took from the other through the shared tier), CPU-seconds per request
 of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
 object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
 engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
@@ -321,7 +323,8 @@ def object_store_bytes() -> float:
 
 
 def hit_sources(metrics_port: int) -> dict[str, float]:
-    """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics)."""
+    """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics), and
+    raykv's hit tokens by who stored them ("by:this_engine", "by:another_engine")."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -333,6 +336,11 @@ def hit_sources(metrics_port: int) -> dict[str, float]:
             m = re.search(r'source="([^"]+)"', line)
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+        elif "raykv_hit_tokens_by_filler" in line and not line.startswith("#"):
+            m = re.search(r'filler="([^"]+)"', line)
+            if m:
+                k = f"by:{m.group(1)}"
+                out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -480,6 +488,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     src("host"),
                     src("disk"),
                     src("external_unspecified"),
+                    src("by:another_engine"),
                     cpu("engine"),
                     cpu("scheduler"),
                     cpu("replica"),
@@ -522,6 +531,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 "raykv CPU tok",
                 "disk tok",
                 "remote tok",
+                "raykv tok stored by the other replica",
                 "engine ms CPU/req",
                 "scheduler ms CPU/req",
                 "replica ms CPU/req",

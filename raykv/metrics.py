@@ -33,6 +33,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "raykv_hit_tokens": ("counter", "Prompt tokens found in the cache.", ()),
     "raykv_miss_tokens": ("counter", "Prompt tokens looked up and not found.", ()),
     "raykv_tier_hit_tokens": ("counter", "Hit tokens served per tier.", ("tier",)),
+    "raykv_hit_tokens_by_filler": (
+        "counter",
+        "A vLLM engine's raykv hit tokens by who stored them: this_engine or another_engine.",
+        ("filler",),
+    ),
     "raykv_stored_bytes": ("counter", "Bytes written per tier.", ("tier",)),
     "raykv_used_bytes": ("gauge", "Bytes held per tier.", ("tier", "policy")),
     "raykv_entries": ("gauge", "Chunks held per tier.", ("tier", "policy")),

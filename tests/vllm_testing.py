@@ -213,6 +213,8 @@ def main() -> None:
                 name: getattr(connector, name)
                 for name in ("lookups", "async_loads", "small_sync_loads", "lookups_timed_out")
             }
+            fillers = connector.fillers
+            outs[-1]["scheduler"]["filled"] = {"here": fillers.here, "elsewhere": fillers.elsewhere}
     if kv is not None:
         llm.llm_engine.engine_core.engine_core.scheduler.connector._kv.flush()
     print("RESULT " + json.dumps(outs), flush=True)

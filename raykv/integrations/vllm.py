@@ -92,6 +92,7 @@ from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
     CacheHitSource,
+    Fillers,
     LoadSpec,
     RayKVConnectorMetadata,
     SaveSpec,
@@ -233,6 +234,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
         # Counters for tests and logs: scheduler side, then worker side.
+        self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
         self.lookups = 0
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
@@ -464,6 +466,7 @@ class RayKVConnector(KVConnectorBase_V1):
             sync=state.sync_load,
         )
         self._pending_loads.append(spec)
+        self.fillers.hit(hashes, start, end)
         state.pinned = False  # the worker's read releases the pins
         if self._async and spec.sync:
             self.small_sync_loads += 1
@@ -531,6 +534,7 @@ class RayKVConnector(KVConnectorBase_V1):
         if end > state.saved:
             blocks = state.block_ids[: end // self._block_size]
             meta.saves.append(SaveSpec(req_id, hashes, state.saved, end, blocks))
+            self.fillers.saved(hashes[state.saved // self._chunk :])
             if self._events is not None:  # reported once the CPU tier has them
                 first = state.saved // self._chunk
                 spans = self._kv.hashed_spans(hashes[first:], self._offsets(len(hashes))[first:])

@@ -1,6 +1,6 @@
 """What the vLLM connector's scheduler side sends its workers each engine step (the loads
-and saves of the step: vLLM pickles the metadata to every worker), and what it tells
-vLLM's stats of a hit (the tiers it came from)."""
+and saves of the step: vLLM pickles the metadata to every worker), what it tells vLLM's
+stats of a hit (the tiers it came from), and who filled a hit (`Fillers`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from raykv import metrics
+from raykv.tiers.budget import BoundedKeySet
 
 try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -83,4 +86,50 @@ def hit_source_split(sources: list[tuple[str, int]], start: int, end: int) -> di
     return split
 
 
-__all__ = ["CacheHitSource", "LoadSpec", "RayKVConnectorMetadata", "SaveSpec", "hit_source_split"]
+# Chunks an engine remembers having saved, to tell its own fills from other engines'.
+FILLERS_MAX_CHUNKS = 1 << 16
+
+
+class Fillers:
+    """Which engine filled the chunks of a raykv hit: this one (it planned their save:
+    its own prefix cache forgot them) or another (a replica beside it, a restarted engine,
+    a warming job): what a shared tier gives that a bigger private pool cannot.
+
+    Counts hit tokens in `here` / `elsewhere` and the metric `raykv_hit_tokens_by_filler`
+    (tag `filler`: this_engine / another_engine). Remembers the last `max_chunks` chunk
+    hashes this engine saved; a chunk saved before that counts as another engine's."""
+
+    def __init__(self, chunk: int, max_chunks: int = FILLERS_MAX_CHUNKS) -> None:
+        self.chunk = chunk
+        self._saved = BoundedKeySet(max_chunks)
+        self.here = 0
+        self.elsewhere = 0
+
+    def saved(self, hashes: list[bytes]) -> None:
+        """This engine planned the save of the chunks keyed `hashes`."""
+        self._saved.update(hashes)
+
+    def hit(self, hashes: list[bytes], start: int, end: int) -> None:
+        """Tokens [start, end) were a raykv hit; `hashes` key the chunks from token 0."""
+        here = 0
+        for i in range(start // self.chunk, min(len(hashes), -(-end // self.chunk))):
+            lo, hi = max(start, i * self.chunk), min(end, (i + 1) * self.chunk)
+            if hashes[i] in self._saved:
+                here += hi - lo
+        elsewhere = end - start - here
+        self.here += here
+        self.elsewhere += elsewhere
+        if here:
+            metrics.inc("raykv_hit_tokens_by_filler", here, filler="this_engine")
+        if elsewhere:
+            metrics.inc("raykv_hit_tokens_by_filler", elsewhere, filler="another_engine")
+
+
+__all__ = [
+    "CacheHitSource",
+    "Fillers",
+    "LoadSpec",
+    "RayKVConnectorMetadata",
+    "SaveSpec",
+    "hit_source_split",
+]

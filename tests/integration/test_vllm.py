@@ -257,6 +257,8 @@ def test_two_engine_processes_share_the_cache(engine, model, reference):
     address = ray.get_runtime_context().gcs_address
     [other] = vt.run_engine_process(model, [PROMPTS["shared"]], address, ns)
     assert other["cached"] == 5 * vt.CHUNK
+    # every hit token was stored by this engine, not the other one
+    assert other["scheduler"]["filled"] == {"here": 0, "elsewhere": 5 * vt.CHUNK}
     vt.assert_same_output(other, reference["shared"])
     wait_unpinned(kv)
 
@@ -379,10 +381,13 @@ def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, m
             told.append({source.value: k for source, k in split.items()})
 
     monkeypatch.setattr(sched, "update_state_after_alloc", spy)
+    here, elsewhere = sched.fillers.here, sched.fillers.elsewhere
     cold, warm = cold_then_warm(engine, "sources")
     assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK
     vt.assert_same_output(warm, reference["sources"])
     assert told == [{"host": 3 * vt.CHUNK}]
+    # this engine stored the chunks itself (its own prefix cache forgot them)
+    assert (sched.fillers.here - here, sched.fillers.elsewhere - elsewhere) == (3 * vt.CHUNK, 0)
     wait_unpinned(kv)
 
 

@@ -1,0 +1,34 @@
+"""`Fillers`: who stored the chunks of a vLLM engine's raykv hit (this engine or another)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from raykv import metrics  # noqa: E402
+from raykv.integrations.vllm_meta import Fillers  # noqa: E402
+
+H = [bytes([i]) * 32 for i in range(6)]  # chunk i's hash (chunk i ends at (i + 1) * 4)
+
+
+def test_hit_tokens_are_split_by_whether_this_engine_saved_each_chunk(monkeypatch):
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "inc", lambda n, v, **tags: recorded.append((n, v, tags)))
+    f = Fillers(chunk=4)
+    f.saved(H[1:3])
+    f.hit(H[:4], 2, 16)  # tokens 2-16: chunk 0 from token 2, chunks 1-3 whole
+    assert (f.here, f.elsewhere) == (8, 6)  # chunks 1, 2 are ours; 0 (half) and 3 are not
+    assert recorded == [
+        ("raykv_hit_tokens_by_filler", 8, {"filler": "this_engine"}),
+        ("raykv_hit_tokens_by_filler", 6, {"filler": "another_engine"}),
+    ]
+    f.hit(H[:3], 8, 11)  # part of chunk 2 only
+    assert (f.here, f.elsewhere) == (11, 6)
+
+
+def test_only_the_last_saved_chunks_are_remembered():
+    f = Fillers(chunk=4, max_chunks=2)
+    f.saved(H[:3])  # chunk 0 forgotten
+    f.hit(H[:3], 0, 12)
+    assert (f.here, f.elsewhere) == (8, 4)
