@@ -3,6 +3,7 @@
     python -m benchmarks.bench_serving [--quick] [--arms A,A+,B,C,D,...] [--repeats 3]
         [--workloads mrqa,docqa,...] [--concurrency 4] [--rate R] [--json PATH]
     python -m benchmarks.bench_serving --soak MINUTES [--soak-arm A] [--json PATH]
+    python -m benchmarks.bench_serving --sweep 0.2,0.4,0.8 [--arms A,B] [--workloads mrqa]
 
 Each arm is a Ray Serve LLM app (`ray.serve.llm.build_openai_app`) on this benchmark's own
 Ray, serving the demo Llama geometry (fp32, 8 KiB of KV per token) with a word tokenizer,
@@ -724,10 +725,14 @@ def main() -> None:
     parser.add_argument("--engine-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--soak", type=float, default=0.0, help="run the soak for MINUTES")
     parser.add_argument(
+        "--sweep", default="", help="open-loop rate sweep: comma-separated requests/s per arm"
+    )
+    parser.add_argument(
         "--no-other", action="store_true", help="skip (E): trying the other connectors"
     )
     parser.add_argument("--json", help="write the summary (rows, goals, plots) here")
     args = parser.parse_args()
+    args.sweep = sorted(float(r) for r in args.sweep.split(",") if r)
     args.shape = loadgen.Shape.quick() if args.quick else loadgen.Shape()
     if args.quick:
         args.arms, args.repeats, args.workloads = "B", 1, "mrqa,docqa,prefix"
@@ -778,6 +783,10 @@ def main() -> None:
                 from benchmarks.serving_soak import soak
 
                 results["soak"] = soak(model, args, env, redis)
+            elif args.sweep:
+                from benchmarks.serving_sweep import sweep
+
+                results["sweep"] = sweep(model, args, env)
             else:
                 for arm in args.arms:
                     t0 = time.perf_counter()
@@ -793,7 +802,11 @@ def main() -> None:
             serve.shutdown()
             ray.shutdown()
             redis.stop()
-    summary = report(results, args) if not args.soak else Summary()
+    summary = report(results, args) if not (args.soak or args.sweep) else Summary()
+    if args.sweep:
+        from benchmarks.serving_sweep import report_sweep
+
+        report_sweep(results["sweep"], args, summary)
     if args.soak:
         from benchmarks.serving_soak import report_soak
 

@@ -32,3 +32,22 @@ def test_every_arm_builds_its_config(arm: str, monkeypatch: pytest.MonkeyPatch) 
     assert engine["block_size"] == bs.BLOCK and engine["dtype"] == "float32"
     assert cfg.experimental_configs["stream_batching_interval_ms"] == 0
     assert cfg.deployment_config["num_replicas"] == replicas
+
+
+def test_the_sweep_finds_each_arms_highest_rate_under_twice_as_unloaded_p99() -> None:
+    from benchmarks._util import Summary
+    from benchmarks.serving_sweep import highest_rate, report_sweep
+
+    def run(p99: float, p50: float = 0.1, errors: int = 0) -> dict:
+        return {"rps": 1.0, "ttft_p50": p50, "ttft_p99": p99, "itl_p99": 0.1, "errors": errors}
+
+    a = [(0.2, run(1.0, p50=0.5)), (0.4, run(1.5, p50=0.8)), (0.8, run(3.0))]
+    b = [(0.2, run(0.5)), (0.4, run(0.6)), (0.8, run(1.0, errors=1))]
+    assert highest_rate(a, 2.0) == 0.4 and highest_rate(b, 2.0) == 0.4  # an error ends it
+    assert highest_rate([(0.2, run(3.0))], 2.0) is None
+    summary = Summary()
+    args = argparse.Namespace(workloads=["mrqa"], sweep=[0.2, 0.4, 0.8])
+    report_sweep({"A": {"mrqa": a}, "B": {"mrqa": b}}, args, summary)
+    goals = {g["goal"].split(" (")[0]: g for g in summary.goals}
+    assert goals["sweep mrqa: highest rate B/A >= 3"]["value"] == 1.0
+    assert goals["sweep mrqa: B/A ttft_p50 at 0.2 req/s"]["value"] == 0.2  # 0.7 x 0.4 -> 0.2
