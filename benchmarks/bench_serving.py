@@ -774,8 +774,9 @@ def main() -> None:
                 "redis_pid": redis.proc.pid,
             }
             print(
-                f"arms {args.arms}; workloads {args.workloads}; {args.repeats} repeats; "
-                f"pool {args.pool_mib} MiB; raykv tier {args.tier_mib} MiB; Redis maxmemory "
+                f"arms {args.arms}; workloads {args.workloads}; "
+                + (f"open-loop rates {args.sweep}; " if args.sweep else f"{args.repeats} repeats; ")
+                + f"pool {args.pool_mib} MiB; raykv tier {args.tier_mib} MiB; Redis maxmemory "
                 f"{redis_mib} MiB (allkeys-lru); engine cores "
                 f"{args.engine_cores}; stream_batching_interval_ms 0; load {os.getloadavg()[0]:.2f}"
             )
