@@ -7,9 +7,8 @@ On CUDA the batched calls never make the engine's thread wait for the device:
 * `load_batch`: a request's chunks are packed layer-major into pinned host slabs
   (torch's caching host allocator: pinned once, reused once its copies are done), each
   sent to the device on a load stream while the next is packed, and scattered into the
-  blocks there; the
-  returned event says when the blocks hold them (a loader thread waits on it, a
-  synchronous load makes the compute stream wait on it).
+  blocks there; the returned event says when the blocks hold them (a loader thread
+  waits on it, a synchronous load makes the compute stream wait on it).
 * `save_batch`: a save stream waits for the compute stream's work so far, gathers the
   step's blocks on the device, and copies them into the caller's pinned buffers; the
   compute stream waits only for the on-device gather (the blocks may be reused in the

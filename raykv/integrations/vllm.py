@@ -534,9 +534,9 @@ class RayKVConnector(KVConnectorBase_V1):
         if end > state.saved:
             blocks = state.block_ids[: end // self._block_size]
             meta.saves.append(SaveSpec(req_id, hashes, state.saved, end, blocks))
-            self.fillers.saved(hashes[state.saved // self._chunk :])
+            first = state.saved // self._chunk
+            self.fillers.saved(hashes[first:])
             if self._events is not None:  # reported once the CPU tier has them
-                first = state.saved // self._chunk
                 spans = self._kv.hashed_spans(hashes[first:], self._offsets(len(hashes))[first:])
                 self._events.planned(state.request, [s.key.chunk_hash for s in spans], state.saved)
             state.saved = end

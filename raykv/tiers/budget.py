@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv.errors import InvalidInputError
+from raykv.keys import CacheKey
 from raykv.policies import make_policy, touch_prefix
 
 DEFAULT_EXPECTED_CHUNK_BYTES = 2 << 20
@@ -306,11 +307,9 @@ class CompactKeySet(BoundedKeySet):
 
     def _encode(self, key: Any, add: bool) -> Hashable | None:
         """`key` as stored; None if it cannot be in the set (an identity never added)."""
-        try:
-            h = key[3]
-            ident = (key[0], key[1], key[2], key[4])
-        except (TypeError, IndexError, KeyError):
+        if not isinstance(key, CacheKey):
             return key
+        h, ident = key.chunk_hash, key.identity
         if not isinstance(h, str) or len(h) != 32 or h.strip(_HEX):
             return key
         no = self._ids.get(ident)
@@ -324,10 +323,7 @@ class CompactKeySet(BoundedKeySet):
     def _decode(self, item: Hashable) -> Hashable:
         if not isinstance(item, int):
             return item
-        from raykv.keys import CacheKey
-
-        model, world, worker, dtype = self._identities[item >> 128]
-        return CacheKey(model, world, worker, f"{item & ((1 << 128) - 1):032x}", dtype)
+        return CacheKey.of(self._identities[item >> 128], f"{item & ((1 << 128) - 1):032x}")
 
     def __contains__(self, key: object) -> bool:
         item = self._encode(key, add=False)
