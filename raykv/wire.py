@@ -83,10 +83,10 @@ class CPUAck:
 
     `refs` maps every requested key now readable to its `ChunkRef`: keys accepted
     now, keys already cached (the first put wins), and, for pulls, chunks served but
-    not cached for lack of room (or not yet: see `caching`). `accepted` and `present` are
-    what the CPU index
-    holds; `evicted` left the index to make room; `skipped` were not cached;
-    `missing` (pulls only) the source did not have.
+    not cached for lack of room (or served from a peer's objects, not copied yet: see
+    `CPUStoreActor.adopt`). `accepted` and `present` are what the CPU index holds;
+    `evicted` left the index to make room; `skipped` were not cached; `missing` (pulls
+    only) the source did not have.
     """
 
     incarnation: str
@@ -97,9 +97,6 @@ class CPUAck:
     skipped: list[CacheKey] = field(default_factory=list)
     missing: list[CacheKey] = field(default_factory=list)
     seq: int = 0  # this store's reply number (1, 2, ...): the manager notices a lost one
-    # A peer pull's copy into the store, still running: `CPUStoreActor.settled(caching)`
-    # answers its own ack (what entered the CPU tier). "" = none.
-    caching: str = ""
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ Ownership: `ray.put(_owner=)` is gone, so the store makes every object it indexe
 its own. `put` re-puts the client's batch (one `ray.put` per request, one copy);
 `pull` calls a source actor's `get_batch` with `num_returns=2` and keeps the second
 return (the caller of a task owns its returns), which costs no copy in this process;
-from a peer (another node's manager, `peer_read`) it fetches the peer's objects and
-re-puts what it keeps, as a peer's object lives, and dies, on the peer's node.
+from a peer (another node's manager, whose objects this node's manager read and served
+already) `adopt` re-puts what it keeps, as a peer's object lives, and dies, on the peer's node.
 Either way the data outlives the writer. Evicting drops this store's reference and
 Ray frees the memory once no borrower (the manager, a reading client) still holds it.
 
@@ -32,7 +32,7 @@ import ray
 from raykv import metrics
 from raykv.actors.common import HandoutHold, put_own
 from raykv.keys import CacheKey
-from raykv.payload import EMPTY, PayloadMeta
+from raykv.payload import PayloadMeta
 from raykv.tiers.budget import check_priority
 from raykv.tiers.cpu import CPUStore, payload_problems
 from raykv.tiers.lease import sweep_forever
@@ -40,32 +40,8 @@ from raykv.wire import TIER_CPU, ChunkRef, CPUAck
 
 logger = logging.getLogger(__name__)
 
-# How long the ack of a peer pull's copy waits for the manager to collect it.
-SETTLED_KEEP_SECS = 60.0
 # Ray's object store should exceed the CPU budget by this factor, or Ray spills silently.
 OBJECT_STORE_HEADROOM = 1.2
-
-
-async def _read_peer(
-    peer: Any, keys: list[CacheKey]
-) -> tuple[list[PayloadMeta | None], list[Any], list[tuple[Any, int] | None]]:
-    """A peer manager's `peer_read` of `keys`, fetched: (metas, arrays, where each array
-    lives: (object ref, index) or None). Each object is fetched once, concurrently; the
-    chunks of one that cannot be read are misses; a malformed reply raises (the pull
-    counts every key as a miss)."""
-    metas, objects, places = await peer.peer_read.remote(keys)
-    if not len(metas) == len(places) == len(keys):
-        got = f"{len(metas)} metas, {len(places)} places"
-        raise ValueError(f"the peer sent {got} for {len(keys)} keys")
-    values = await asyncio.gather(*objects, return_exceptions=True) if objects else []
-    failed = {i for i, v in enumerate(values) if isinstance(v, BaseException)}
-    if failed:  # those chunks are misses, the others are served
-        logger.warning("%d of %d objects from a peer could not be read", len(failed), len(values))
-        places = [None if p is not None and p[0] in failed else p for p in places]
-        metas = [m if p is not None else None for m, p in zip(metas, places, strict=True)]
-    arrays = [values[p[0]][p[1]] if p is not None else EMPTY for p in places]
-    where = [(objects[p[0]], p[1]) if p is not None else None for p in places]
-    return list(metas), arrays, where
 
 
 def object_store_bytes() -> int | None:
@@ -128,9 +104,7 @@ class CPUStoreActor:
         self._room: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._lease_secs = pin_lease_secs
-        # Peer pulls being copied into this store after their reply (see `pull`): by
-        # token, each copy's ack until the manager collects it (`settled`), and their keys.
-        self._settling: dict[str, asyncio.Task] = {}
+        # Keys of peer chunks being copied into this store (see `adopt`).
         self._copying: set[CacheKey] = set()
         self._cancelled: set[CacheKey] = set()  # removed or cleared while being copied
         self._object_store_bytes = object_store_bytes()  # read once: ray.nodes() is costly
@@ -300,7 +274,6 @@ class CPUStoreActor:
         source: Any,
         keys: list[CacheKey],
         lookup_id: str | None = None,
-        copy: bool = False,
     ) -> CPUAck:
         """Load `keys` from a tier or producer actor's `get_batch` and keep the object.
 
@@ -309,27 +282,14 @@ class CPUStoreActor:
         right now are still returned in `refs` (served, not cached): a read never
         waits for room. A failed source is a miss for every key; an array whose size
         is not its meta's is a miss too (skipped: neither cached nor served).
-
-        `copy=True` is for a peer (another node's manager): the store reads its
-        `peer_read` (the peer's own objects, fetched once each, or one it gathered) and
-        re-puts what it caches, so this node's object store holds the bytes its budget
-        counts and the cache outlives the peer. The reply waits for the transfer (the
-        manager's pull timeout covers it) but not for that copy: it serves the new
-        chunks from the fetched objects and names the copy in `ack.caching`, whose own
-        ack (`settled`) tells the manager what entered the CPU tier.
         """
         self._start()
         store = self._store
         ack = CPUAck(self._incarnation)
-        where: list[tuple[Any, int] | None] | None = None  # a peer's: each chunk's object
         try:
-            if copy:
-                metas, arrays, where = await _read_peer(source, keys)
-                arrays_ref = None
-            else:
-                metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
-                metas = list(await metas_ref)
-                arrays = None
+            metas_ref, arrays_ref = source.get_batch.options(num_returns=2).remote(keys)
+            metas = list(await metas_ref)
+            arrays = None
             if len(metas) != len(keys):
                 raise ValueError(f"the source sent {len(metas)} metas for {len(keys)} keys")
             listed = [i for i, m in enumerate(metas) if m is not None]
@@ -349,19 +309,11 @@ class CPUStoreActor:
         if not hits:
             return ack
         batch_bytes = sum(metas[i].nbytes for i in hits)
-        # An inline return is here already; a source object with bad arrays is not kept;
-        # a peer's objects are never ours.
-        copy = bool(bad) or where is not None
+        # An inline return is here already; a source object with bad arrays is not kept.
+        copy = bool(bad)
         if not copy:
             arrays = None  # the store keeps the source's object, not these views of it
         new = [i for i in hits if keys[i] not in store]
-        if where is not None and new:  # served now, cached once copied
-            todo = [i for i in new if keys[i] not in self._copying]
-            if todo:
-                ack.caching = self._copy_later(
-                    [keys[i] for i in todo], [metas[i] for i in todo], [arrays[i] for i in todo]
-                )
-            new = []
         added: dict[CacheKey, ChunkRef] = {}
         if new:
             # The source's object counts every hit; a copy holds only the new ones.
@@ -387,8 +339,6 @@ class CPUStoreActor:
         for i in hits:
             if cached[i] is not None:
                 ack.refs[keys[i]] = cached[i]
-            elif where is not None:  # a peer's object: the peer owns it and keeps it alive
-                ack.refs[keys[i]] = ChunkRef(*where[i], metas[i])  # type: ignore[misc]
             else:
                 ack.refs[keys[i]] = ChunkRef(arrays_ref, i, metas[i])
                 served = True
@@ -398,29 +348,48 @@ class CPUStoreActor:
             self._signal_room()
         return self._record(ack)
 
-    def _copy_later(self, keys: list[CacheKey], metas: list[PayloadMeta], arrays: list[Any]) -> str:
-        """Start copying a peer pull's new chunks into this store; the copy's token."""
-        token = uuid.uuid4().hex
-        self._copying.update(keys)
-        task = asyncio.get_running_loop().create_task(self._keep(keys, metas, arrays))
-        self._settling[token] = task
-        # An ack nobody collects (the manager's pull timed out) is dropped in a while.
-        forget = lambda _: asyncio.get_running_loop().call_later(  # noqa: E731
-            SETTLED_KEEP_SECS, self._settling.pop, token, None
-        )
-        task.add_done_callback(forget)
-        return token
+    async def adopt(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], where: list[tuple[Any, int]]
+    ) -> CPUAck:
+        """Cache copies of a peer's chunks: chunk i is `ray.get(where[i][0])[where[i][1]]`,
+        an object of another node's CPU store that this node's manager read (so it is on
+        this node already) and served from before asking. The copy is one object of ours,
+        as far as there is room, so this node's object store holds the bytes its budget
+        counts and the cache outlives the peer. Keys being copied by another adopt are
+        left to it; keys cached already are `present`. The ack says what entered (and was
+        evicted for it); an object that cannot be read leaves its chunks `skipped`."""
+        self._start()
+        todo = [i for i, k in enumerate(keys) if k not in self._copying]
+        mine = [keys[i] for i in todo]
+        self._copying.update(mine)
+        need = {i for i in todo if keys[i] not in self._store}
+        objects = list({where[i][0]: None for i in need})
+        try:
+            values = dict(zip(objects, await asyncio.gather(*objects), strict=True))
+            arrays = [values[where[i][0]][where[i][1]] if i in need else None for i in todo]
+        except Exception as exc:
+            self._copying.difference_update(mine)
+            self._cancelled.difference_update(mine)
+            logger.warning("reading %d chunks of a peer to copy them failed: %s", len(need), exc)
+            return self._record(CPUAck(self._incarnation, skipped=[keys[i] for i in need]))
+        del values
+        return await self._keep(mine, [metas[i] for i in todo], arrays)
 
     async def _keep(
         self, keys: list[CacheKey], metas: list[PayloadMeta], arrays: list[Any]
     ) -> CPUAck:
-        """Cache `keys` from `arrays` (views of a peer's objects) in one object of ours,
-        as far as there is room; the ack of what entered (and was evicted for it)."""
+        """Cache `keys` (marked `_copying`) from `arrays` (views of a peer's objects; None
+        for a key that was cached when the copy began) in one object of ours, as far as
+        there is room; the ack of what entered (and was evicted for it)."""
         store = self._store
         ack = CPUAck(self._incarnation)
         try:
             cancelled = self._cancelled
-            new = [i for i, k in enumerate(keys) if k not in store and k not in cancelled]
+            new = [
+                i
+                for i, k in enumerate(keys)
+                if k not in store and k not in cancelled and arrays[i] is not None
+            ]
             if new:
                 added = await self._admit(
                     ack,
@@ -478,12 +447,6 @@ class CPUStoreActor:
         if added:
             metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
         return added
-
-    async def settled(self, token: str) -> CPUAck | None:
-        """The ack of a peer pull's copy into this store (`CPUAck.caching`), once it is
-        done; None for a token unknown here (collected already, or forgotten)."""
-        task = self._settling.pop(token, None)
-        return None if task is None else await task
 
     # ----- control (one message each; the manager sends them without waiting) -----
 

@@ -585,15 +585,15 @@ class ManagerCore:
     async def peer_read(
         self, keys: list[CacheKey]
     ) -> tuple[list[PayloadMeta | None], list[ray.ObjectRef], list[tuple[int, int] | None]]:
-        """The peer tier's read, for another node's CPU store (`CPUStoreActor.pull` with
-        `copy=True`): `(metas, objects, places)`; chunk i is `objects[o][j]` for
+        """The peer tier's read, for another node's manager (`raykv.actors.peers.read_peer`):
+        `(metas, objects, places)`; chunk i is `objects[o][j]` for
         `places[i] == (o, j)`, and None where this node's CPU tier does not hold it.
 
         A batch object of the CPU tier goes as it is (a ref: nothing is copied here, the
         reader fetches it once) when the chunks wanted from it are at least half its
         bytes; the chunks of other batches are gathered into one new object, so a reader
-        never fetches much more than it asked for. The reader copies what it keeps into
-        its own object store either way (it cannot own another node's objects)."""
+        never fetches much more than it asked for. The reader's CPU store copies what it
+        keeps into its own object store either way (it cannot own another node's objects)."""
         await self._ready()
         chunks = [self._index.cpu.get(k) for k in keys]
         wanted: dict[ray.ObjectRef, int] = {}

@@ -4,7 +4,8 @@ With `enable_controller`, every node's StorageManager reports what enters and le
 CPU and disk tiers (batched admit/evict events, a snapshot when a batch was lost or the
 controller restarted), and asks the controller which peer's CPU tier holds a prefix its
 own tiers miss; the peer then serves it through its manager's `peer_read` (its batch
-objects as they are, fetched once by this node's CPU store, which copies what it keeps).
+objects as they are): this node's manager fetches each object once (`read_peer`), serves
+the request from them, and has its CPU store copy what it keeps afterwards.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from raykv.actors.controller import (
     get_or_create_controller,
 )
 from raykv.keys import CacheKey
-from raykv.wire import PeerTier
+from raykv.payload import PayloadMeta
+from raykv.tiers.cpu import payload_problems
+from raykv.wire import ChunkRef, CPUAck, PeerTier
 
 logger = logging.getLogger(__name__)
 
@@ -123,4 +126,49 @@ class ControllerLink:
                 rep.lost()
 
 
-__all__ = ["ControllerLink"]
+async def read_peer(peer: Any, keys: list[CacheKey]) -> tuple[CPUAck, list[PayloadMeta]]:
+    """A peer manager's `peer_read` of `keys`, fetched to this node: an ack serving each
+    chunk from the peer's object (`refs`; the others `missing`), and the metas of the
+    served ones in order. Each object is fetched once, concurrently; the chunks of one
+    that cannot be read, or whose array is not its meta's size, are misses; a malformed
+    reply raises."""
+    metas, objects, places = await peer.peer_read.remote(keys)
+    if not len(metas) == len(places) == len(keys):
+        got = f"{len(metas)} metas, {len(places)} places"
+        raise ValueError(f"the peer sent {got} for {len(keys)} keys")
+    values = await asyncio.gather(*objects, return_exceptions=True) if objects else []
+    failed = {i for i, v in enumerate(values) if isinstance(v, BaseException)}
+    if failed:
+        logger.warning("%d of %d objects from a peer could not be read", len(failed), len(values))
+    listed = [
+        i
+        for i, (meta, place) in enumerate(zip(metas, places, strict=True))
+        if meta is not None and place is not None and place[0] not in failed
+    ]
+    arrays = [_pick(values, places[i]) if i < len(places) else None for i in range(len(keys))]
+    bad = payload_problems(metas, arrays, listed)
+    if bad:
+        first = next(iter(bad.values()))
+        logger.warning("a peer sent %d unreadable chunks (%s): misses", len(bad), first)
+    del values, arrays  # the bytes stay on this node, in the objects the refs name
+    ack = CPUAck("")
+    served: list[PayloadMeta] = []
+    ok = set(listed).difference(bad)
+    for i, key in enumerate(keys):
+        if i not in ok:
+            ack.missing.append(key)
+            continue
+        ack.refs[key] = ChunkRef(objects[places[i][0]], places[i][1], metas[i])
+        served.append(metas[i])
+    return ack, served
+
+
+def _pick(values: list[Any], place: tuple[int, int] | None) -> Any:
+    """`values[o][j]` for `place` (o, j); None where there is no such array."""
+    try:
+        return values[place[0]][place[1]] if place is not None else None
+    except Exception:  # a malformed place: that chunk is a miss
+        return None
+
+
+__all__ = ["ControllerLink", "read_peer"]

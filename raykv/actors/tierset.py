@@ -20,7 +20,7 @@ from raykv import metrics
 from raykv.actors.common import HandoutHold
 from raykv.actors.factory import create_tier, get_or_create_tiers
 from raykv.actors.kv_server import open_remote
-from raykv.actors.peers import ControllerLink
+from raykv.actors.peers import ControllerLink, read_peer
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
@@ -252,25 +252,21 @@ class TierSet:
         A pull that outlives its timeout is still applied when its reply comes (the CPU
         store may have evicted for it): the index never keeps refs the store dropped.
         """
-        peer = tier.manager if isinstance(tier, PeerTier) else None
-        source = self.peers.get(peer) if peer else self.handles[tier]
+        if isinstance(tier, PeerTier):
+            return await self.pull_peer(tier.manager, keys)
+        source = self.handles[tier]
         cpu = self.cpu
-        if source is None:
-            return None
         try:
             if cpu is None:
                 ack = await self.read_lower(source, keys)
             else:
-                reply = asyncio.ensure_future(
-                    cpu.pull.remote(source, keys, lookup_id, copy=peer is not None)
-                )
+                reply = asyncio.ensure_future(cpu.pull.remote(source, keys, lookup_id))
                 try:
                     ack = await asyncio.wait_for(asyncio.shield(reply), self._pull_timeout)
                 except (asyncio.TimeoutError, TimeoutError):
                     self.spawn(self.late_ack(reply))
                     raise
                 self.apply_cpu(ack)
-                self.settle(cpu, ack)
         except (asyncio.TimeoutError, TimeoutError):
             self.index.counts["pull_timeouts"] += 1
             logger.warning(
@@ -285,10 +281,43 @@ class TierSet:
             if isinstance(exc, ActorDiedError):
                 self.schedule_check(TIER_CPU if cpu is not None else tier)
             return None
-        if peer and len(ack.missing) == len(keys):
-            self.link.lost(peer)
         self.index.apply_pull(tier, ack)
         return ack
+
+    async def pull_peer(self, name: str, keys: list[CacheKey]) -> CPUAck | None:
+        """Read `keys` from the peer manager `name` (`read_peer`: its objects come to
+        this node, read by this manager) and serve them from the peer's objects at once;
+        the CPU store copies the chunks into objects of its own afterwards (`adopt`, whose
+        ack enters the index; a flush waits for it, like a background write). A read that
+        failed or timed out misses every key; a peer that served nothing of what the
+        controller listed is dropped (`ControllerLink.lost`)."""
+        peer = self.peers.get(name)
+        if peer is None:
+            return None
+        try:
+            ack, metas = await asyncio.wait_for(read_peer(peer, keys), self._pull_timeout)
+        except Exception as exc:
+            if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+                self.index.counts["pull_timeouts"] += 1
+            logger.warning("read of %d chunks from peer %s failed: %r", len(keys), name, exc)
+            ack, metas = CPUAck("", missing=list(keys)), []
+        if len(ack.missing) == len(keys):
+            self.link.lost(name)
+            return ack
+        cpu = self.cpu
+        if cpu is not None:
+            served = list(ack.refs)
+            where = [(c.ref, c.index) for c in ack.refs.values()]
+            self.spawn(self._adopt(cpu, served, metas, where), name="raykv-put-peer-copy")
+        return ack
+
+    async def _adopt(self, cpu: Any, keys: list[CacheKey], metas: list, where: list) -> None:
+        try:
+            ack = await cpu.adopt.remote(keys, metas, where)
+        except Exception as exc:  # the store restarted: the resync covers it
+            logger.debug("copying %d peer chunks into the CPU store failed: %s", len(keys), exc)
+            return
+        self.apply_cpu(ack)
 
     async def late_ack(self, reply: asyncio.Future) -> None:
         try:
@@ -297,22 +326,6 @@ class TierSet:
             return
         self.index.counts["late_acks"] += 1
         self.apply_cpu(ack)
-        self.settle(self.cpu, ack)
-
-    def settle(self, cpu: Any, ack: CPUAck) -> None:
-        """A peer pull served before its copy into the CPU store: apply that copy's ack
-        when it is done (a flush waits for it, like a background write)."""
-        if ack.caching and cpu is not None:
-            self.spawn(self._settled(cpu, ack.caching), name="raykv-put-peer-copy")
-
-    async def _settled(self, cpu: Any, token: str) -> None:
-        try:
-            ack = await cpu.settled.remote(token)
-        except Exception as exc:  # the store restarted: the resync covers it
-            logger.debug("a peer copy's ack was lost: %s", exc)
-            return
-        if ack is not None:
-            self.apply_cpu(ack)
 
     def schedule_check(self, tier: str) -> None:
         if tier in self.handles:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import sys
 import time
@@ -15,6 +16,7 @@ import raykv_testing
 from raykv_testing import byte_meta, chunk_key
 
 from raykv.actors.cpu_store import CPUStoreActor
+from raykv.actors.peers import read_peer
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 
@@ -122,20 +124,30 @@ def test_pulled_data_is_owned_by_the_store_and_outlives_the_producer(store):
     assert_bytes([key(20), key(21)], ray.get(store.chunk_refs.remote([key(20), key(21)])))
 
 
-def test_a_peer_pull_serves_at_once_then_caches_its_own_copy_of_the_new_chunks(store):
+def peer_pull(store, peer, keys: list[CacheKey]) -> tuple[Any, Any]:
+    """What a manager does with a peer's chunks: `read_peer` (served from the peer's
+    objects), then its CPU store's `adopt` of what was served. (read ack, adopt ack)."""
+    ack, metas = asyncio.run(read_peer(peer, keys))
+    if not ack.refs:
+        return ack, None
+    where = [(c.ref, c.index) for c in ack.refs.values()]
+    return ack, ray.get(store.adopt.remote(list(ack.refs), metas, where))
+
+
+def test_a_peer_read_serves_the_peers_object_and_adopt_caches_a_copy_of_the_new_chunks(store):
     producer = Producer.remote()
     try:
         put(store, [30])
         keys = [key(30), key(31), key(32)]
-        ack = ray.get(store.pull.remote(producer, keys, "L1", copy=True))
-        # Served from the peer's object at once; the new chunks are cached after the reply.
-        assert ack.accepted == [] and ack.present == [key(30)] and ack.caching
+        ack, metas = asyncio.run(read_peer(producer, keys))
+        # Served from the peer's one object, nothing cached by the read.
+        assert not ack.missing and len({c.ref for c in ack.refs.values()}) == 1
         assert_bytes(keys, [ack.refs[k] for k in keys])
-        settled = ray.get(store.settled.remote(ack.caching))
-        assert settled.accepted == [key(31), key(32)] and settled.seq == ack.seq + 1
-        assert ray.get(store.settled.remote(ack.caching)) is None  # collected once
+        where = [(c.ref, c.index) for c in ack.refs.values()]
+        copied = ray.get(store.adopt.remote(keys, metas, where))
+        assert copied.accepted == [key(31), key(32)] and copied.present == [key(30)]
         stats = ray.get(store.stats.remote())
-        assert stats["pinned_entries"] == 1 and stats["reserved_bytes"] == 0
+        assert stats["reserved_bytes"] == 0
         # The copy holds the two new chunks (2 x 64 KiB charged), not the whole reply.
         assert stats["used_bytes"] == 3 * NBYTES
         ray.kill(producer)  # the owner of the peer's object: our copy outlives it
@@ -145,15 +157,15 @@ def test_a_peer_pull_serves_at_once_then_caches_its_own_copy_of_the_new_chunks(s
         ray.kill(producer)
 
 
-def test_a_chunk_a_peer_pull_is_still_copying_is_not_copied_twice(store):
+def test_a_chunk_another_adopt_is_still_copying_is_not_copied_twice(store):
     producer = Producer.remote()
     try:
         keys = [key(33), key(34)]
-        acks = ray.get([store.pull.remote(producer, keys, copy=True) for _ in range(2)])
-        assert all(set(a.refs) == set(keys) for a in acks)
-        settled = [ray.get(store.settled.remote(a.caching)) for a in acks if a.caching]
-        # One copy, whichever pull came first: a second one would have cached nothing.
-        assert [s.accepted for s in settled] == [keys]
+        ack, metas = asyncio.run(read_peer(producer, keys))
+        where = [(c.ref, c.index) for c in ack.refs.values()]
+        acks = ray.get([store.adopt.remote(keys, metas, where) for _ in range(2)])
+        # One copy, whichever adopt came first: the other one left the keys to it.
+        assert sorted(len(a.accepted) for a in acks) == [0, 2]
         assert ray.get(store.stats.remote())["used_bytes"] == 2 * NBYTES
     finally:
         ray.kill(producer)
@@ -196,29 +208,28 @@ class OddProducer:
         return _peer_reply(keys, [cls() for _ in keys])
 
 
-def _copying_pull(store, kind: str, keys: list[CacheKey]) -> tuple[Any, dict]:
-    """Pull `keys` with copy=True from an `OddProducer(kind)`: (ack, the store's stats)."""
+def _odd_peer_pull(store, kind: str, keys: list[CacheKey]) -> tuple[Any, Any, dict]:
+    """`peer_pull` of `keys` from an `OddProducer(kind)`: (read ack, adopt ack, stats)."""
     producer = OddProducer.remote(kind)
     try:
-        ack = ray.get(store.pull.remote(producer, keys, copy=True))
-        return ack, ray.get(store.stats.remote())
+        ack, copied = peer_pull(store, producer, keys)
+        return ack, copied, ray.get(store.stats.remote())
     finally:
         ray.kill(producer)
 
 
-def test_a_copying_pull_whose_source_object_is_unreadable_is_a_miss(store):
+def test_a_peer_read_whose_object_is_unreadable_is_a_miss(store):
     keys = [key(40), key(41)]
-    ack, stats = _copying_pull(store, "unreadable", keys)
-    assert ack.missing == keys and not ack.accepted and not ack.refs
+    ack, copied, stats = _odd_peer_pull(store, "unreadable", keys)
+    assert ack.missing == keys and not ack.refs and copied is None
     assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
 
 
-def test_a_copying_pull_whose_copy_fails_serves_the_source_object_uncached(store):
+def test_a_peer_read_whose_copy_fails_serves_the_peers_object_uncached(store):
     keys = [key(50), key(51)]
-    ack, _ = _copying_pull(store, "fragile", keys)
-    assert not ack.accepted and not ack.missing and set(ack.refs) == set(keys)
-    settled = ray.get(store.settled.remote(ack.caching))
-    assert settled.skipped == keys and not settled.accepted and not settled.refs
+    ack, copied, _ = _odd_peer_pull(store, "fragile", keys)
+    assert not ack.missing and set(ack.refs) == set(keys)
+    assert copied.skipped == keys and not copied.accepted and not copied.refs
     stats = ray.get(store.stats.remote())
     assert stats["entries"] == 0 and stats["reserved_bytes"] == 0
     assert stats["used_bytes"] == 0
@@ -339,17 +350,18 @@ def test_a_put_of_arrays_of_another_size_than_their_meta_skips_them(store):
     assert put(store, [63]).accepted == [key(63)]  # the actor carries on
 
 
-@pytest.mark.parametrize("copy", [False, True])
-def test_a_pulled_array_of_another_size_than_its_meta_is_a_miss(store, copy):
+@pytest.mark.parametrize("peer", [False, True])
+def test_a_pulled_array_of_another_size_than_its_meta_is_a_miss(store, peer):
     producer = LyingProducer.remote()
     try:
         keys = [key(70), key(71), key(72)]
-        ack = ray.get(store.pull.remote(producer, keys, copy=copy))
-        assert ack.missing == [key(71)] and ack.skipped == [key(71)]
-        assert set(ack.refs) == {key(70), key(72)}
-        if copy:  # a peer's chunks are cached after the reply
-            assert ack.accepted == []
-            ack = ray.get(store.settled.remote(ack.caching))
+        if peer:  # a peer's chunks are served by the read and cached by the adopt
+            read, ack = peer_pull(store, producer, keys)
+            assert read.missing == [key(71)] and set(read.refs) == {key(70), key(72)}
+        else:
+            ack = ray.get(store.pull.remote(producer, keys))
+            assert ack.missing == [key(71)] and ack.skipped == [key(71)]
+            assert set(ack.refs) == {key(70), key(72)}
         assert ack.accepted == [key(70), key(72)]
         ray.kill(producer)
         assert_bytes([key(70), key(72)], [ack.refs[key(70)], ack.refs[key(72)]])
