@@ -82,6 +82,7 @@ BENCHMARKS: tuple[Spec, ...] = (
     Spec("vllm", "benchmarks.bench_vllm", 900, 2400),
     Spec("isolation", "benchmarks.bench_isolation", 900, 3000),
     Spec("serving", "benchmarks.bench_serving", 300, 7200),
+    Spec("memory", "benchmarks.bench_memory", 300, 1800),
 )
 
 
