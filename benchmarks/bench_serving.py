@@ -19,8 +19,9 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
 * `B`: + raykv's CPU tier (`--tier-mib`); `C`: + raykv's disk tier only; `D`: + Redis only
   (a redis-server on loopback), each with the same bytes; `B-wait0`: `B` with
   `lookup_wait_ms: 0` (every request waits at least one engine step for its lookup);
-  `B-inline32`: `B` whose hits of up to 32 MiB load in the step that schedules them
-  (`sync_load_max_bytes`, default 4 MiB) instead of on the loader thread;
+  `B-inline4`: `B` whose hits load in the step that schedules them only up to 4 MiB
+  (`sync_load_max_bytes`, the default before 2026-11-26: 32 MiB since), larger ones on
+  the loader thread;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
@@ -98,14 +99,14 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "2-affinity": (2, "prefix_affinity", "cpu", False),
     "2-raykv": (2, "cache_aware", "cpu", False),
     "B-wait0": (1, "pow2", "cpu", False),
-    "B-inline32": (1, "pow2", "cpu", False),
+    "B-inline4": (1, "pow2", "cpu", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
 # wait for a new request's lookup (every request then waits at least one engine step);
-# B-inline32 copies hits of up to 32 MiB in their step.
+# B-inline4 copies only hits of up to 4 MiB in their step (the default copies 32 MiB).
 ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-wait0": {"lookup_wait_ms": 0},
-    "B-inline32": {"sync_load_max_bytes": 32 << 20},
+    "B-inline4": {"sync_load_max_bytes": 4 << 20},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
 GROUPS = (
