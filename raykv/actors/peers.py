@@ -145,7 +145,7 @@ async def read_peer(peer: Any, keys: list[CacheKey]) -> tuple[CPUAck, list[Paylo
         for i, (meta, place) in enumerate(zip(metas, places, strict=True))
         if meta is not None and place is not None and place[0] not in failed
     ]
-    arrays = [_pick(values, places[i]) if i < len(places) else None for i in range(len(keys))]
+    arrays = [_pick(values, place) for place in places]
     bad = payload_problems(metas, arrays, listed)
     if bad:
         first = next(iter(bad.values()))
