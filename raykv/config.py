@@ -33,6 +33,8 @@ import yaml
 
 from raykv.errors import ConfigError, InvalidInputError
 from raykv.keys import DEFAULT_HASH_SEED
+from raykv.masking import MASK as _MASK
+from raykv.masking import mask_extra, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,6 @@ _NODE_ID_RE = re.compile(r"^[0-9a-fA-F]{56}$")
 _RAY_RESERVED_RESOURCES = frozenset({"CPU", "GPU"})
 # Ray's resource precision: a smaller amount is rejected when the actor is created.
 _MIN_RESOURCE_AMOUNT = 0.0001
-_MASK = "***"
 # Fields whose whole value is a secret: "***" in repr, config show, logs and errors.
 SECRET_FIELDS = ("payload_secret",)
 MIN_PAYLOAD_SECRET_CHARS = 16
@@ -265,63 +266,6 @@ FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RayKVCon
 def env_name(key: str) -> str:
     """The environment variable that overrides ``key``: ``RAYKV_<KEY>``."""
     return ENV_PREFIX + key.upper()
-
-
-_QUERY_ARG = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
-
-
-def _names_a_secret(name: str) -> bool:
-    """A setting or query argument name that carries a secret, however it is spelt or
-    percent-encoded (`password`, `ssl_password`, `%70assword`, `client_secret`,
-    `api_token`, ...)."""
-    low = unquote(name).lower()
-    return any(word in low for word in ("pass", "secret", "token")) or low in ("pwd", "auth")
-
-
-def _authority(url: str) -> tuple[str, str, str]:
-    """(scheme://, authority, the rest) of `url`; ("", "", url) without a scheme."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "", "", url
-    cut = min(
-        (i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest)
-    )
-    return scheme + sep, rest[:cut], rest[cut:]
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``: the user info's, and the value of
-    every query argument whose (percent-decoded) name names a secret (redis-py accepts
-    ``?password=`` and ``?ssl_password=``). User names stay visible."""
-    url = _QUERY_ARG.sub(lambda m: f"{m[1]}{m[2]}={_MASK}" if _names_a_secret(m[2]) else m[0], url)
-    head, authority, tail = _authority(url)
-    if "@" not in authority:
-        return url
-    userinfo, _, host = authority.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    masked = f"{user}:{_MASK}" if colon else _MASK
-    return f"{head}{masked}@{host}{tail}"
-
-
-def url_secrets(url: str) -> list[str]:
-    """Every secret `url` carries, raw and percent-decoded (the user info's password and
-    secret-named query values), longest first: what a log line must never show."""
-    found: set[str] = set()
-    _, authority, _ = _authority(url)
-    if "@" in authority:
-        user, colon, password = authority.rpartition("@")[0].partition(":")
-        found.update((password, unquote(password)) if colon else (user, unquote(user)))
-    for m in _QUERY_ARG.finditer(url):
-        if _names_a_secret(m[2]):
-            found.update((m[3], unquote(m[3])))
-    return sorted((s for s in found if s), key=len, reverse=True)
-
-
-def mask_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
-    """`extra_config` for display: values under keys that name a secret are masked."""
-    return {
-        k: (_MASK if isinstance(k, str) and _names_a_secret(k) else v) for k, v in extra.items()
-    }
 
 
 # ----- validation -----

@@ -22,8 +22,8 @@ import numpy as np
 import ray
 
 from raykv.actors.common import actor_options, named_actor, resolve_batch
-from raykv.config import mask_url
 from raykv.keys import CacheKey
+from raykv.masking import mask_url
 from raykv.payload import PayloadMeta
 from raykv.tiers.breaker import breaker_for
 from raykv.tiers.kv_server import KVServerState

@@ -29,9 +29,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from raykv import metrics
-from raykv.config import mask_url, url_secrets
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.keys import CacheKey
+from raykv.masking import mask_url, url_secrets
 from raykv.payload import (
     EMPTY,
     HEADER_PREFIX_BYTES,

@@ -784,7 +784,7 @@ def test_mask_url(url: str, masked: str) -> None:
 
 
 def test_a_percent_encoded_password_is_scrubbed_raw_and_decoded_from_remote_errors() -> None:
-    from raykv.config import url_secrets
+    from raykv.masking import url_secrets
     from raykv.tiers.remote import RemoteStore
 
     raw = "s%40cr%2Ft-pass-1234"  # decodes to s@cr/t-pass-1234
