@@ -39,7 +39,9 @@ for hits and misses, by round), inter-token p50/p99, requests/s and prompt token
 prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
 `prompt_tokens_cached_by_source`, which raykv's connector fills), raykv's hit tokens that
 another engine stored (the connector's `raykv_hit_tokens_by_filler`: with two replicas,
-what one took from the other through the shared tier), CPU-seconds per request
+what one took from the other through the shared tier), the engine steps a request
+waited on raykv, per request (`raykv_connector_waits`: its lookup not back within the
+step's `lookup_wait_ms`, or another request's load of the same blocks), CPU-seconds per request
 of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
 object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
 engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
@@ -331,9 +333,19 @@ def object_store_bytes() -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+# raykv's connector counters read from Ray's metrics: (metric, tag, key prefix).
+RAYKV_COUNTERS = (
+    ("raykv_hit_tokens_by_filler", "filler", "by"),
+    ("raykv_connector_waits", "reason", "waits"),
+    ("raykv_connector_lookups", "outcome", "lookups"),
+)
+
+
 def hit_sources(metrics_port: int) -> dict[str, float]:
     """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics), and
-    raykv's hit tokens by who stored them ("by:this_engine", "by:another_engine")."""
+    raykv's connector counters (`RAYKV_COUNTERS`): its hit tokens by who stored them
+    ("by:this_engine", "by:another_engine"), the steps requests waited on it
+    ("waits:lookup", "waits:load") and its lookups ("lookups:sent", ...)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -345,11 +357,14 @@ def hit_sources(metrics_port: int) -> dict[str, float]:
             m = re.search(r'source="([^"]+)"', line)
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
-        elif "raykv_hit_tokens_by_filler" in line and not line.startswith("#"):
-            m = re.search(r'filler="([^"]+)"', line)
-            if m:
-                k = f"by:{m.group(1)}"
-                out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("#"):
+            continue
+        for metric, tag, prefix in RAYKV_COUNTERS:
+            if metric in line:
+                m = re.search(tag + r'="([^"]+)"', line)
+                if m:
+                    k = f"{prefix}:{m.group(1)}"
+                    out[k] = out.get(k, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -481,6 +496,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 continue
             src = lambda k: mmm([r["sources"].get(k, 0.0) for r in runs], 1, ".0f")  # noqa: E731
             cpu = lambda g: mmm([r["cpu_per_request"].get(g, 0.0) for r in runs], 1e3, ".0f")  # noqa: E731
+            waits = lambda k: mmm(  # noqa: E731
+                [r["sources"].get(k, 0.0) / max(1, r["requests"]) for r in runs], 1, ".2f"
+            )
             rows.append(
                 [
                     arm,
@@ -498,6 +516,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     src("disk"),
                     src("external_unspecified"),
                     src("by:another_engine"),
+                    waits("waits:lookup"),
+                    waits("waits:load"),
                     cpu("engine"),
                     cpu("scheduler"),
                     cpu("replica"),
@@ -541,6 +561,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 "disk tok",
                 "remote tok",
                 "raykv tok stored by the other replica",
+                "steps waited for lookup /req",
+                "for a load /req",
                 "engine ms CPU/req",
                 "scheduler ms CPU/req",
                 "replica ms CPU/req",

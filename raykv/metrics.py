@@ -38,6 +38,22 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "A vLLM engine's raykv hit tokens by who stored them: this_engine or another_engine.",
         ("filler",),
     ),
+    "raykv_connector_lookups": (
+        "counter",
+        "A vLLM engine's raykv lookups: sent; not_back_in_step (the request waits a step); "
+        "timed_out and refused (the cap on lookups in flight): computed.",
+        ("outcome",),
+    ),
+    "raykv_connector_waits": (
+        "counter",
+        "Engine steps a vLLM request waited on raykv: for its lookup or for a load in flight.",
+        ("reason",),
+    ),
+    "raykv_connector_loads": (
+        "counter",
+        "A vLLM engine's raykv hits (async load mode) by how they loaded: async or in_step.",
+        ("mode",),
+    ),
     "raykv_stored_bytes": ("counter", "Bytes written per tier.", ("tier",)),
     "raykv_used_bytes": ("gauge", "Bytes held per tier.", ("tier", "policy")),
     "raykv_entries": ("gauge", "Chunks held per tier.", ("tier", "policy")),

@@ -91,6 +91,7 @@ from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
     CacheHitSource,
+    CounterExport,
     Fillers,
     LoadSpec,
     RayKVConnectorMetadata,
@@ -232,8 +233,10 @@ class RayKVConnector(KVConnectorBase_V1):
             if self._keyed and events is not None and events.enable_kv_cache_events:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
-        # Counters for tests and logs: scheduler side, then worker side.
+        # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
+        # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
+        self._exported = CounterExport()  # the counters below, as metrics once a step
         self.lookups = 0
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
@@ -486,6 +489,7 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._wait_left = self.config.lookup_wait_ms / 1000.0  # the next step's budget
+        self._exported.export(self)
         if (self._loading or self._lookups_in_flight) and not (
             scheduler_output.total_num_scheduled_tokens
         ):

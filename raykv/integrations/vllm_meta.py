@@ -125,8 +125,41 @@ class Fillers:
             metrics.inc("raykv_hit_tokens_by_filler", elsewhere, filler="another_engine")
 
 
+# The scheduler-side connector's counters (attribute -> metric, tags), exported once a
+# step: what an operator reads to see whether raykv delays requests (a lookup not back
+# in its step costs the request one engine step; a wait for a load, another).
+COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    "lookups": ("raykv_connector_lookups", {"outcome": "sent"}),
+    "lookups_not_back_in_step": ("raykv_connector_lookups", {"outcome": "not_back_in_step"}),
+    "lookups_timed_out": ("raykv_connector_lookups", {"outcome": "timed_out"}),
+    "lookups_refused": ("raykv_connector_lookups", {"outcome": "refused"}),
+    "waits_for_lookup": ("raykv_connector_waits", {"reason": "lookup"}),
+    "waits_for_load": ("raykv_connector_waits", {"reason": "load"}),
+    "async_loads": ("raykv_connector_loads", {"mode": "async"}),
+    "small_sync_loads": ("raykv_connector_loads", {"mode": "in_step"}),
+}
+
+
+class CounterExport:
+    """Hands the growth of an object's counters (`COUNTER_METRICS`) to raykv's metrics:
+    one comparison per counter a step, a metric call only for one that moved."""
+
+    def __init__(self) -> None:
+        self._last = dict.fromkeys(COUNTER_METRICS, 0)
+
+    def export(self, owner: object) -> None:
+        last = self._last
+        for attr, (name, tags) in COUNTER_METRICS.items():
+            now = getattr(owner, attr)
+            if now != last[attr]:
+                metrics.inc(name, now - last[attr], **tags)
+                last[attr] = now
+
+
 __all__ = [
+    "COUNTER_METRICS",
     "CacheHitSource",
+    "CounterExport",
     "Fillers",
     "LoadSpec",
     "RayKVConnectorMetadata",

@@ -1,4 +1,5 @@
-"""`Fillers`: who stored the chunks of a vLLM engine's raykv hit (this engine or another)."""
+"""`Fillers`: who stored the chunks of a vLLM engine's raykv hit (this engine or another);
+`CounterExport`: the scheduler's counters as metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from raykv import metrics  # noqa: E402
-from raykv.integrations.vllm_meta import Fillers  # noqa: E402
+from raykv.integrations.vllm_meta import COUNTER_METRICS, CounterExport, Fillers  # noqa: E402
 
 H = [bytes([i]) * 32 for i in range(6)]  # chunk i's hash (chunk i ends at (i + 1) * 4)
 
@@ -32,3 +33,31 @@ def test_only_the_last_saved_chunks_are_remembered():
     f.saved(H[:3])  # chunk 0 forgotten
     f.hit(H[:3], 0, 12)
     assert (f.here, f.elsewhere) == (8, 4)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        for attr in COUNTER_METRICS:
+            setattr(self, attr, 0)
+
+
+def test_scheduler_counters_reach_metrics_once_a_step_as_their_growth(monkeypatch):
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "inc", lambda n, v, **tags: recorded.append((n, v, tags)))
+    for name, tags in COUNTER_METRICS.values():  # every exported counter is a known metric
+        assert set(tags) == set(metrics.METRICS[name][2])
+    c, export = _Counters(), CounterExport()
+    export.export(c)
+    assert recorded == []  # nothing moved: no metric call
+    c.lookups, c.waits_for_lookup, c.lookups_not_back_in_step = 3, 2, 1
+    export.export(c)
+    c.lookups, c.async_loads = 5, 1
+    export.export(c)
+    export.export(c)
+    assert recorded == [
+        ("raykv_connector_lookups", 3, {"outcome": "sent"}),
+        ("raykv_connector_lookups", 1, {"outcome": "not_back_in_step"}),
+        ("raykv_connector_waits", 2, {"reason": "lookup"}),
+        ("raykv_connector_lookups", 2, {"outcome": "sent"}),
+        ("raykv_connector_loads", 1, {"mode": "async"}),
+    ]
