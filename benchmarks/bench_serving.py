@@ -21,7 +21,9 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   `lookup_wait_ms: 0` (every request waits at least one engine step for its lookup);
   `B-inline4`: `B` whose hits load in the step that schedules them only up to 4 MiB
   (`sync_load_max_bytes`, the default before 2026-11-26: 32 MiB since), larger ones on
-  the loader thread;
+  the loader thread; `B-noview`: `B` whose scheduler sends every new request's lookup
+  to the manager (`lookup_view: false`, the only way before 2026-11-26) instead of
+  answering it from its copy of the CPU tier's keys;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
@@ -102,13 +104,17 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "2-raykv": (2, "cache_aware", "cpu", False),
     "B-wait0": (1, "pow2", "cpu", False),
     "B-inline4": (1, "pow2", "cpu", False),
+    "B-noview": (1, "pow2", "cpu", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
 # wait for a new request's lookup (every request then waits at least one engine step);
-# B-inline4 copies only hits of up to 4 MiB in their step (the default copies 32 MiB).
+# B-inline4 copies only hits of up to 4 MiB in their step (the default copies 32 MiB);
+# B-noview sends every new request's lookup to the manager (B answers them from the
+# scheduler's copy of the CPU tier's keys).
 ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-wait0": {"lookup_wait_ms": 0},
     "B-inline4": {"sync_load_max_bytes": 4 << 20},
+    "B-noview": {"lookup_view": False},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
 GROUPS = (

@@ -119,6 +119,7 @@ class RayKVConfig:
     max_loads_in_flight: int = 4  # vLLM connector: async loads at once; more requests wait
     max_lookups_in_flight: int = 64  # vLLM connector: lookups at once; more requests are computed
     lookup_wait_ms: int = 5  # vLLM connector: per step, how long the scheduler waits for lookups
+    lookup_view: bool = True  # vLLM connector: lookups answered from a copy of the CPU keys
     sync_load_max_bytes: int = 33554432  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions

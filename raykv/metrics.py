@@ -40,8 +40,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "raykv_connector_lookups": (
         "counter",
-        "A vLLM engine's raykv lookups: sent; not_back_in_step (the request waits a step); "
-        "timed_out and refused (the cap on lookups in flight): computed.",
+        "A vLLM engine's raykv lookups: sent; from_view (answered from its copy of the CPU "
+        "tier's keys, none sent); not_back_in_step (the request waits a step); timed_out "
+        "and refused (the cap on lookups in flight): computed.",
         ("outcome",),
     ),
     "raykv_connector_waits": (

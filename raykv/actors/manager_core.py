@@ -637,6 +637,12 @@ class ManagerCore:
         (`CPULog.since`): the vLLM connector's KV events poll it."""
         return self._t.cpu_log.since(cursor, identity)
 
+    def cpu_keys(self, identity: KeyIdentity) -> list[str]:
+        """The chunk hashes of `identity`'s keys the CPU tier holds now: the snapshot the
+        vLLM connector's CPU view starts from when the log cannot say what changed."""
+        want = tuple(identity)
+        return [k[3] for k in self._index.held(TIER_CPU) if (k[0], k[1], k[2], k[4]) == want]
+
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""
         if self._close(lookup_id) is None and self._t.cpu is not None:

@@ -150,6 +150,11 @@ class StorageManager:
         with self._lock:
             return self._core.cpu_events(cursor, identity)
 
+    def cpu_keys(self, identity: KeyIdentity) -> list[str]:
+        """See `ManagerCore.cpu_keys` (on this Ray thread: it only reads the index)."""
+        with self._lock:
+            return self._core.cpu_keys(identity)
+
     def get(
         self,
         spans: Sequence[ChunkSpan] | PackedSpans,

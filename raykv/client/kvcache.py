@@ -359,6 +359,11 @@ class KVCache:
             "cpu_events", cursor, identity, timeout=self._lookup_timeout * 4, default=None
         )
 
+    def cpu_keys(self, identity: tuple[str, int, int, str]) -> list[str] | None:
+        """The chunk hashes of keys of `identity` the CPU tier holds now (to start a copy
+        that `cpu_events` keeps current, from a cursor taken before it); None on a fault."""
+        return self._call("cpu_keys", identity, timeout=self._lookup_timeout * 4, default=None)
+
     @staticmethod
     def _check_timeout(timeout: float | None) -> None:
         if timeout is not None and (

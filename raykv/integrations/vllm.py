@@ -25,7 +25,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
   lookup thread (a prefetch: chunks found only on disk or a remote are promoted into the
   CPU tier at once) and answers `(None, False)` until it is back, so vLLM schedules the
   other requests meanwhile. Past `max_lookups_in_flight` or `lookup_timeout_ms` the
-  request is computed; a late reply's pins are released.
+  request is computed; a late reply's pins are released. With the CPU tier the only
+  tier and one rank, the scheduler answers at once from its copy of the tier's keys
+  instead (`lookup_view`, `raykv.integrations.vllm_view`): no round trip, no step waited.
 - load: a hit answers `(n, True)`: vLLM parks the request (`WAITING_FOR_REMOTE_KVS`)
   and `start_load_kv` hands the copy to a loader thread; `get_finished` reports the
   request once its blocks are written (failed blocks in the same pass, and vLLM
@@ -103,11 +105,16 @@ from raykv.integrations.vllm_setup import (
     block_nbytes,
     chunk_hashes,
     engine_layout,
+    lookups_from_view,
+    rank_spans,
     raykv_config,
+    warn_other_layouts,
     worker_rank,
 )
-from raykv.keys import ChunkSpan, KeyMaker
+from raykv.integrations.vllm_view import CPUView
+from raykv.keys import KeyMaker
 from raykv.page_connector import DONE, LoadPart, PageConnector
+from raykv.wire import TIER_CPU
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -226,13 +233,16 @@ class RayKVConnector(KVConnectorBase_V1):
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
+        self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
-            self._warn_other_layouts(engine_layout(vllm_config, kv_cache_config))
+            warn_other_layouts(self._kv, config, engine_layout(vllm_config, kv_cache_config))
             events = vllm_config.kv_events_config
             if self._keyed and events is not None and events.enable_kv_cache_events:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
+            if self._keyed and lookups_from_view(config):
+                self._view = CPUView(self._kv, KeyMaker.from_config(config, worker_id=0).identity)
         # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
         # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
@@ -241,6 +251,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
         self.lookups_refused = 0  # the cap on lookups in flight was reached: computed
+        self.lookups_from_view = 0  # answered from the CPU view, no round trip
         self.lookups_not_back_in_step = 0  # not back within the step's lookup_wait_ms
         self.waits_for_lookup = 0  # steps a request waited for its lookup
         self.waits_for_load = 0  # steps a hit waited for another request's load or the cap
@@ -261,23 +272,6 @@ class RayKVConnector(KVConnectorBase_V1):
             config.load_mode,
             config.model_name,
         )
-
-    def _warn_other_layouts(self, layout: str) -> None:
-        """Say so once at start when engines of another layout of this model (another TP
-        size, backend, block size...: a cache-warming job, an older deployment) write to
-        this namespace: their chunks are keyed apart and never hit this engine."""
-        others = self._kv.note_engine(self.config.model_name, layout)
-        for name, text in others.items():
-            logger.warning(
-                "raykv: namespace %r also holds chunks of %s (keys %s), which this engine "
-                "(%s, keys %s) can never hit: match the layouts (TP, backend, block size, "
-                "dtype, vLLM version) to share the cache",
-                self.config.namespace,
-                text,
-                name,
-                layout,
-                self.config.model_name,
-            )
 
     # ===== scheduler side =====
 
@@ -332,12 +326,18 @@ class RayKVConnector(KVConnectorBase_V1):
         hashes = chunk_hashes(request, request.num_tokens, self._chunk, self._hash_block)
         if not hashes:
             return state  # shorter than a chunk: nothing to find
+        spans = rank_spans(self._kv, self._other_ranks, hashes, self._offsets(len(hashes)))
+        hit = self._view.hit(spans) if self._view is not None else None
+        if hit is not None:  # nothing pinned: the worker reads what the tier holds then
+            self.lookups_from_view += 1
+            state.hit = state.saved = hit
+            state.sources = [(TIER_CPU, hit)]
+            return state
         if self._lookups_in_flight >= self.config.max_lookups_in_flight:
             self.lookups_refused += 1
             return state  # computed: a request is never held for a lookup slot
         self.lookups += 1
         self._lookups_in_flight += 1
-        spans = self._rank_spans(hashes)
         state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id)
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         return state
@@ -412,25 +412,6 @@ class RayKVConnector(KVConnectorBase_V1):
         except Exception as exc:  # the pin lease releases it
             logger.warning("raykv: releasing late lookup %s failed: %r", lookup_id, exc)
 
-    def _rank_spans(self, hashes: list[bytes]) -> list[Any]:
-        """The spans a lookup asks for: with one rank, its chunks; with several (TP x PP),
-        every rank's key of chunk 0, then of chunk 1, ... where only the last rank's span
-        of a chunk ends at the chunk's end (the others end where the chunk starts). A
-        prefix lookup then counts a chunk only once every rank holds it, so one rank's
-        evicted chunk ends the hit there (one manager call, whatever the world size)."""
-        offsets = self._offsets(len(hashes))
-        spans = self._kv.hashed_spans(hashes, offsets)
-        if not self._other_ranks:
-            return spans
-        ranks = [spans] + [maker.keys_from_hashes(hashes, offsets) for maker in self._other_ranks]
-        last = len(ranks) - 1
-        every: list[ChunkSpan] = []
-        for i in range(len(spans)):
-            for r, rank in enumerate(ranks):
-                span = rank[i]
-                every.append(ChunkSpan(span.start, span.end if r == last else span.start, span.key))
-        return every
-
     def _offsets(self, n: int) -> list[int]:
         return [(i + 1) * self._chunk for i in range(n)]
 
@@ -460,7 +441,7 @@ class RayKVConnector(KVConnectorBase_V1):
         state.block_ids = list(blocks.get_block_ids()[0])
         spec = LoadSpec(
             request.request_id,
-            state.lookup_id,
+            state.lookup_id if state.pinned else None,
             hashes,
             start,
             end,
@@ -539,9 +520,13 @@ class RayKVConnector(KVConnectorBase_V1):
             meta.saves.append(SaveSpec(req_id, hashes, state.saved, end, blocks))
             first = state.saved // self._chunk
             self.fillers.saved(hashes[first:])
-            if self._events is not None:  # reported once the CPU tier has them
+            if self._events is not None or self._view is not None:
                 spans = self._kv.hashed_spans(hashes[first:], self._offsets(len(hashes))[first:])
-                self._events.planned(state.request, [s.key.chunk_hash for s in spans], state.saved)
+                keys = [s.key.chunk_hash for s in spans]
+                if self._events is not None:  # reported once the CPU tier has them
+                    self._events.planned(state.request, keys, state.saved)
+                if self._view is not None:  # looked up, not guessed, until the tier has them
+                    self._view.saving(keys)
             state.saved = end
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -772,8 +757,9 @@ class RayKVConnector(KVConnectorBase_V1):
         return self._kv.flush(timeout)
 
     def shutdown(self) -> None:
-        if self._events is not None:
-            self._events.close()
+        for poller in (self._events, self._view):
+            if poller is not None:
+                poller.close()
         for load in self._loads.values():
             load.stop.set()
         for pool in (self._loader, self._saver, self._lookups):

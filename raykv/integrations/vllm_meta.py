@@ -35,10 +35,12 @@ class LoadSpec:
 
     `hashes` are vLLM's block hashes at the ends of the whole chunks holding them (chunk i
     ends at token (i + 1) * chunk_size), `block_ids` the request's blocks from token 0.
-    `sync`: copy before this step's forward pass (else on the loader thread)."""
+    `sync`: copy before this step's forward pass (else on the loader thread).
+    `lookup_id` names the lookup whose pins the read releases (None: answered from the
+    scheduler's CPU view, nothing pinned)."""
 
     req_id: str
-    lookup_id: str
+    lookup_id: str | None
     hashes: list[bytes]
     start: int
     end: int
@@ -132,6 +134,7 @@ COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "lookups": ("raykv_connector_lookups", {"outcome": "sent"}),
     "lookups_not_back_in_step": ("raykv_connector_lookups", {"outcome": "not_back_in_step"}),
     "lookups_timed_out": ("raykv_connector_lookups", {"outcome": "timed_out"}),
+    "lookups_from_view": ("raykv_connector_lookups", {"outcome": "from_view"}),
     "lookups_refused": ("raykv_connector_lookups", {"outcome": "refused"}),
     "waits_for_lookup": ("raykv_connector_waits", {"reason": "lookup"}),
     "waits_for_load": ("raykv_connector_waits", {"reason": "load"}),

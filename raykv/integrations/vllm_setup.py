@@ -9,6 +9,7 @@ ends (so LoRA adapter, multimodal inputs, prompt embeds and `cache_salt` are in 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import xxhash
 
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError
+from raykv.keys import ChunkSpan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 # 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
 KEY_VERSION = "keys-2"
 _MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+logger = logging.getLogger(__name__)
 
 
 # ----- configuration -----
@@ -185,10 +189,65 @@ def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> li
     return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
 
 
+def warn_other_layouts(kv: Any, config: RayKVConfig, layout: str) -> None:
+    """Say so once at start when engines of another layout of this model (another TP
+    size, backend, block size...: a cache-warming job, an older deployment) write to
+    `config`'s namespace: their chunks are keyed apart and never hit this engine."""
+    others = kv.note_engine(config.model_name, layout)
+    for name, text in others.items():
+        logger.warning(
+            "raykv: namespace %r also holds chunks of %s (keys %s), which this engine "
+            "(%s, keys %s) can never hit: match the layouts (TP, backend, block size, "
+            "dtype, vLLM version) to share the cache",
+            config.namespace,
+            text,
+            name,
+            layout,
+            config.model_name,
+        )
+
+
+def rank_spans(kv: Any, other_ranks: list[Any], hashes: list[bytes], offsets: list[int]) -> list:
+    """The spans a scheduler's lookup asks for: with one rank, its chunks (`kv`'s keys);
+    with several (TP x PP; `other_ranks`: the other ranks' `KeyMaker`s), every rank's key
+    of chunk 0, then of chunk 1, ... where only the last rank's span of a chunk ends at
+    the chunk's end (the others end where the chunk starts). A prefix lookup then counts
+    a chunk only once every rank holds it, so one rank's evicted chunk ends the hit there
+    (one manager call, whatever the world size)."""
+    spans = kv.hashed_spans(hashes, offsets)
+    if not other_ranks:
+        return spans
+    ranks = [spans] + [maker.keys_from_hashes(hashes, offsets) for maker in other_ranks]
+    last = len(ranks) - 1
+    every: list[ChunkSpan] = []
+    for i in range(len(spans)):
+        for r, rank in enumerate(ranks):
+            span = rank[i]
+            every.append(ChunkSpan(span.start, span.end if r == last else span.start, span.key))
+    return every
+
+
+def lookups_from_view(config: RayKVConfig) -> bool:
+    """Whether the scheduler answers lookups from its CPU view (`lookup_view`): on, with
+    one rank, and the CPU tier the only place a chunk can be found (no disk, remote or
+    peer tier below it, so a chunk it does not hold is nowhere)."""
+    return (
+        config.lookup_view
+        and config.world_size == 1
+        and config.local_cpu
+        and config.local_disk is None
+        and config.remote_url is None
+        and not config.enable_controller
+    )
+
+
 __all__ = [
     "KEY_VERSION",
     "block_hashes_shared",
     "chunk_hashes",
+    "lookups_from_view",
+    "rank_spans",
     "raykv_config",
+    "warn_other_layouts",
     "worker_rank",
 ]

