@@ -43,7 +43,8 @@ prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
 another engine stored (the connector's `raykv_hit_tokens_by_filler`: with two replicas,
 what one took from the other through the shared tier), the engine steps a request
 waited on raykv, per request (`raykv_connector_waits`: its lookup not back within the
-step's `lookup_wait_ms`, or another request's load of the same blocks), CPU-seconds per request
+step's `lookup_wait_ms`, or another request's load of the same blocks), raykv hit tokens
+whose load failed (vLLM recomputed them), CPU-seconds per request
 of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
 object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
 engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
@@ -344,6 +345,7 @@ RAYKV_COUNTERS = (
     ("raykv_hit_tokens_by_filler", "filler", "by"),
     ("raykv_connector_waits", "reason", "waits"),
     ("raykv_connector_lookups", "outcome", "lookups"),
+    ("raykv_connector_load_tokens", "result", "load"),
 )
 
 
@@ -351,7 +353,8 @@ def hit_sources(metrics_port: int) -> dict[str, float]:
     """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics), and
     raykv's connector counters (`RAYKV_COUNTERS`): its hit tokens by who stored them
     ("by:this_engine", "by:another_engine"), the steps requests waited on it
-    ("waits:lookup", "waits:load") and its lookups ("lookups:sent", ...)."""
+    ("waits:lookup", "waits:load"), its lookups ("lookups:sent", ...) and the tokens
+    its loads wrote or failed to ("load:loaded", "load:failed")."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -502,6 +505,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 continue
             src = lambda k: mmm([r["sources"].get(k, 0.0) for r in runs], 1, ".0f")  # noqa: E731
             cpu = lambda g: mmm([r["cpu_per_request"].get(g, 0.0) for r in runs], 1e3, ".0f")  # noqa: E731
+            failed = lambda: mmm(  # noqa: E731
+                [r["sources"].get("load:failed", 0.0) for r in runs], 1, ".0f"
+            )
             waits = lambda k: mmm(  # noqa: E731
                 [r["sources"].get(k, 0.0) / max(1, r["requests"]) for r in runs], 1, ".2f"
             )
@@ -524,6 +530,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     src("by:another_engine"),
                     waits("waits:lookup"),
                     waits("waits:load"),
+                    failed(),
                     cpu("engine"),
                     cpu("scheduler"),
                     cpu("replica"),
@@ -569,6 +576,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 "raykv tok stored by the other replica",
                 "steps waited for lookup /req",
                 "for a load /req",
+                "raykv tok failed (recomputed)",
                 "engine ms CPU/req",
                 "scheduler ms CPU/req",
                 "replica ms CPU/req",

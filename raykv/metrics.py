@@ -55,6 +55,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "A vLLM engine's raykv hits (async load mode) by how they loaded: async or in_step.",
         ("mode",),
     ),
+    "raykv_connector_load_tokens": (
+        "counter",
+        "Tokens a vLLM engine's raykv loads wrote (loaded) or could not (failed: recomputed).",
+        ("result",),
+    ),
     "raykv_stored_bytes": ("counter", "Bytes written per tier.", ("tier",)),
     "raykv_used_bytes": ("gauge", "Bytes held per tier.", ("tier", "policy")),
     "raykv_entries": ("gauge", "Chunks held per tier.", ("tier", "policy")),

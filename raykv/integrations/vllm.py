@@ -92,6 +92,7 @@ from raykv.client.staging import BufferPool
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
+    WORKER_COUNTER_METRICS,
     CacheHitSource,
     CounterExport,
     Fillers,
@@ -247,6 +248,7 @@ class RayKVConnector(KVConnectorBase_V1):
         # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
         self._exported = CounterExport()  # the counters below, as metrics once a step
+        self._worker_exported = CounterExport(WORKER_COUNTER_METRICS)
         self.lookups = 0
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
@@ -655,6 +657,7 @@ class RayKVConnector(KVConnectorBase_V1):
         done = {req_id for req_id, load in self._loads.items() if load.future.done()}
         for req_id in done:
             self._load_errors |= self._loads.pop(req_id).future.result()
+        self._worker_exported.export(self)
         return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -127,9 +127,10 @@ class Fillers:
             metrics.inc("raykv_hit_tokens_by_filler", elsewhere, filler="another_engine")
 
 
-# The scheduler-side connector's counters (attribute -> metric, tags), exported once a
-# step: what an operator reads to see whether raykv delays requests (a lookup not back
-# in its step costs the request one engine step; a wait for a load, another).
+# The connector's counters (attribute -> metric, tags), exported once a step: what an
+# operator reads to see whether raykv delays requests (a lookup not back in its step
+# costs the request one engine step; a wait for a load, another) and whether its loads
+# fail (each failed token is recomputed). The scheduler's, then the workers'.
 COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "lookups": ("raykv_connector_lookups", {"outcome": "sent"}),
     "lookups_not_back_in_step": ("raykv_connector_lookups", {"outcome": "not_back_in_step"}),
@@ -141,18 +142,24 @@ COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "async_loads": ("raykv_connector_loads", {"mode": "async"}),
     "small_sync_loads": ("raykv_connector_loads", {"mode": "in_step"}),
 }
+WORKER_COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    "loaded_tokens": ("raykv_connector_load_tokens", {"result": "loaded"}),
+    "failed_tokens": ("raykv_connector_load_tokens", {"result": "failed"}),
+}
 
 
 class CounterExport:
-    """Hands the growth of an object's counters (`COUNTER_METRICS`) to raykv's metrics:
-    one comparison per counter a step, a metric call only for one that moved."""
+    """Hands the growth of an object's counters (`COUNTER_METRICS` or another such map) to
+    raykv's metrics: one comparison per counter a step, a metric call only for one that
+    moved."""
 
-    def __init__(self) -> None:
-        self._last = dict.fromkeys(COUNTER_METRICS, 0)
+    def __init__(self, counters: dict[str, tuple[str, dict[str, str]]] = COUNTER_METRICS) -> None:
+        self._counters = counters
+        self._last = dict.fromkeys(counters, 0)
 
     def export(self, owner: object) -> None:
         last = self._last
-        for attr, (name, tags) in COUNTER_METRICS.items():
+        for attr, (name, tags) in self._counters.items():
             now = getattr(owner, attr)
             if now != last[attr]:
                 metrics.inc(name, now - last[attr], **tags)
@@ -167,5 +174,6 @@ __all__ = [
     "LoadSpec",
     "RayKVConnectorMetadata",
     "SaveSpec",
+    "WORKER_COUNTER_METRICS",
     "hit_source_split",
 ]

@@ -8,7 +8,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from raykv import metrics  # noqa: E402
-from raykv.integrations.vllm_meta import COUNTER_METRICS, CounterExport, Fillers  # noqa: E402
+from raykv.integrations.vllm_meta import (  # noqa: E402
+    COUNTER_METRICS,
+    WORKER_COUNTER_METRICS,
+    CounterExport,
+    Fillers,
+)
 
 H = [bytes([i]) * 32 for i in range(6)]  # chunk i's hash (chunk i ends at (i + 1) * 4)
 
@@ -60,4 +65,20 @@ def test_scheduler_counters_reach_metrics_once_a_step_as_their_growth(monkeypatc
         ("raykv_connector_waits", 2, {"reason": "lookup"}),
         ("raykv_connector_lookups", 2, {"outcome": "sent"}),
         ("raykv_connector_loads", 1, {"mode": "async"}),
+    ]
+
+
+def test_worker_counters_reach_metrics_as_loaded_and_failed_tokens(monkeypatch):
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "inc", lambda n, v, **tags: recorded.append((n, v, tags)))
+
+    class Worker:
+        loaded_tokens, failed_tokens = 0, 0
+
+    w, export = Worker(), CounterExport(WORKER_COUNTER_METRICS)
+    w.loaded_tokens, w.failed_tokens = 512, 64
+    export.export(w)
+    assert recorded == [
+        ("raykv_connector_load_tokens", 512, {"result": "loaded"}),
+        ("raykv_connector_load_tokens", 64, {"result": "failed"}),
     ]
