@@ -36,8 +36,8 @@ from raykv.wire import TIER_CPU
 logger = logging.getLogger(__name__)
 
 # While the engine is busy: how stale the set may be. Each poll is a manager call from
-# the scheduler's process (its GIL, its core): 20 a second cost prefix repetition 7 %
-# of its inter-token p50 on this 2-core machine, 5 a second (measured) did not.
+# the scheduler's process (its GIL, its core): 20 a second cost prefix repetition up to
+# 8 % of its inter-token p50 on a 2-core machine, 5 a second did not (docs/BENCHMARKS.md).
 POLL_S = 0.2
 IDLE_POLL_S = 1.0  # after IDLE_AFTER_S without a request
 IDLE_AFTER_S = 5.0
