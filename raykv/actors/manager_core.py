@@ -631,17 +631,23 @@ class ManagerCore:
         return await put_own(arrays, sum(c.meta.nbytes for c in chunks))
 
     def cpu_events(
-        self, cursor: Cursor | None, identity: KeyIdentity
-    ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
+        self, cursor: Cursor | None, identity: KeyIdentity, tiers: Sequence[str] | None = None
+    ) -> tuple[Cursor, list | None]:
         """What entered and left the CPU tier since `cursor` for the keys of `identity`
-        (`CPULog.since`): the vLLM connector's KV events poll it."""
-        return self._t.cpu_log.since(cursor, identity)
+        (`CPULog.since`): the vLLM connector's KV events poll it. With `tiers` (CPU and
+        disk), those tiers' events (`CPULog.since_tiers`): its CPU view does."""
+        if tiers is None:
+            return self._t.cpu_log.since(cursor, identity)
+        return self._t.cpu_log.since_tiers(cursor, identity, tiers)
 
-    def cpu_keys(self, identity: KeyIdentity) -> list[str]:
-        """The chunk hashes of `identity`'s keys the CPU tier holds now: the snapshot the
-        vLLM connector's CPU view starts from when the log cannot say what changed."""
+    def cpu_keys(self, identity: KeyIdentity, tier: str = TIER_CPU) -> list[str]:
+        """The chunk hashes of `identity`'s keys that `tier` (CPU or disk) holds now: the
+        snapshot the vLLM connector's CPU view starts from when the log cannot say what
+        changed."""
+        if tier not in (TIER_CPU, TIER_DISK) or tier not in self._tiers:
+            return []
         want = tuple(identity)
-        return [k[3] for k in self._index.held(TIER_CPU) if (k[0], k[1], k[2], k[4]) == want]
+        return [k[3] for k in self._index.held(tier) if (k[0], k[1], k[2], k[4]) == want]
 
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""

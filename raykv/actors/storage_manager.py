@@ -144,16 +144,16 @@ class StorageManager:
             self._core.note_remote(spans, start, found, failed)
 
     def cpu_events(
-        self, cursor: Cursor | None, identity: KeyIdentity
-    ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
+        self, cursor: Cursor | None, identity: KeyIdentity, tiers: Sequence[str] | None = None
+    ) -> tuple[Cursor, list | None]:
         """See `ManagerCore.cpu_events` (on this Ray thread: it only reads the log)."""
         with self._lock:
-            return self._core.cpu_events(cursor, identity)
+            return self._core.cpu_events(cursor, identity, tiers)
 
-    def cpu_keys(self, identity: KeyIdentity) -> list[str]:
+    def cpu_keys(self, identity: KeyIdentity, tier: str = "cpu") -> list[str]:
         """See `ManagerCore.cpu_keys` (on this Ray thread: it only reads the index)."""
         with self._lock:
-            return self._core.cpu_keys(identity)
+            return self._core.cpu_keys(identity, tier)
 
     def get(
         self,

@@ -349,20 +349,27 @@ class KVCache:
         return dict(reply)
 
     def cpu_events(
-        self, cursor: tuple[str, int, int] | None, identity: tuple[str, int, int, str]
-    ) -> tuple[tuple[str, int, int], list[tuple[bool, str]] | None] | None:
+        self,
+        cursor: tuple[str, int, int] | None,
+        identity: tuple[str, int, int, str],
+        tiers: Sequence[str] | None = None,
+    ) -> tuple[tuple[str, int, int], list | None] | None:
         """What entered (True) and left (False) the CPU tier since `cursor`, as the chunk
         hashes of keys of `identity` (`CacheKey.identity`), and the cursor to pass next;
-        None for the events when the manager cannot say (`raykv.tiers.cpulog`). None on
-        a fault. The vLLM connector's KV events poll it."""
-        return self._call(
-            "cpu_events", cursor, identity, timeout=self._lookup_timeout * 4, default=None
-        )
+        None for the events when the manager cannot say (`raykv.tiers.cpulog`). With
+        `tiers` (CPU and disk), those tiers' events as (admitted, tier, chunk hash).
+        None on a fault. The vLLM connector's KV events and CPU view poll it."""
+        args = (cursor, identity) if tiers is None else (cursor, identity, tuple(tiers))
+        return self._call("cpu_events", *args, timeout=self._lookup_timeout * 4, default=None)
 
-    def cpu_keys(self, identity: tuple[str, int, int, str]) -> list[str] | None:
-        """The chunk hashes of keys of `identity` the CPU tier holds now (to start a copy
-        that `cpu_events` keeps current, from a cursor taken before it); None on a fault."""
-        return self._call("cpu_keys", identity, timeout=self._lookup_timeout * 4, default=None)
+    def cpu_keys(
+        self, identity: tuple[str, int, int, str], tier: str = TIER_CPU
+    ) -> list[str] | None:
+        """The chunk hashes of keys of `identity` that `tier` (CPU or disk) holds now (to
+        start a copy that `cpu_events` keeps current, from a cursor taken before it);
+        None on a fault."""
+        args = (identity,) if tier == TIER_CPU else (identity, tier)
+        return self._call("cpu_keys", *args, timeout=self._lookup_timeout * 4, default=None)
 
     @staticmethod
     def _check_timeout(timeout: float | None) -> None:

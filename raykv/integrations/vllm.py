@@ -106,9 +106,9 @@ from raykv.integrations.vllm_setup import (
     block_nbytes,
     chunk_hashes,
     engine_layout,
-    lookups_from_view,
     rank_spans,
     raykv_config,
+    view_tiers,
     warn_other_layouts,
     worker_rank,
 )
@@ -160,6 +160,7 @@ class _Request:
     saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
     sync_load: bool = False  # its load is copied in its step (sync mode, or a small hit)
     sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
+    lower: bool = False  # answered from the view with chunks on disk: loaded async
 
 
 @dataclass(slots=True)
@@ -242,8 +243,9 @@ class RayKVConnector(KVConnectorBase_V1):
             if self._keyed and events is not None and events.enable_kv_cache_events:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
-            if self._keyed and lookups_from_view(config):
-                self._view = CPUView(self._kv, KeyMaker.from_config(config, worker_id=0).identity)
+            if self._keyed and (tiers := view_tiers(config)) is not None:
+                identity = KeyMaker.from_config(config, worker_id=0).identity
+                self._view = CPUView(self._kv, identity, tiers)
         # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
         # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
@@ -296,7 +298,7 @@ class RayKVConnector(KVConnectorBase_V1):
         n = usable - num_computed_tokens
         if n <= 0:
             return 0, False
-        state.sync_load = not self._async or self._small(n)
+        state.sync_load = not self._async or (self._small(n) and not state.lower)
         if state.sync_load:
             return n, False
         if len(self._loading) >= self.config.max_loads_in_flight or self._overlaps_a_load(
@@ -329,11 +331,12 @@ class RayKVConnector(KVConnectorBase_V1):
         if not hashes:
             return state  # shorter than a chunk: nothing to find
         spans = rank_spans(self._kv, self._other_ranks, hashes, self._offsets(len(hashes)))
-        hit = self._view.hit(spans) if self._view is not None else None
-        if hit is not None:  # nothing pinned: the worker reads what the tier holds then
+        got = self._view.hit(spans) if self._view is not None else None
+        if got is not None:  # nothing pinned: the worker reads what the tiers hold then
             self.lookups_from_view += 1
-            state.hit = state.saved = hit
-            state.sources = [(TIER_CPU, hit)]
+            state.hit, state.sources = got
+            state.saved = state.hit
+            state.lower = any(tier != TIER_CPU for tier, _ in state.sources)
             return state
         if self._lookups_in_flight >= self.config.max_lookups_in_flight:
             self.lookups_refused += 1

@@ -19,6 +19,7 @@ import xxhash
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError
 from raykv.keys import ChunkSpan
+from raykv.wire import TIER_CPU, TIER_DISK
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -227,25 +228,30 @@ def rank_spans(kv: Any, other_ranks: list[Any], hashes: list[bytes], offsets: li
     return every
 
 
-def lookups_from_view(config: RayKVConfig) -> bool:
-    """Whether the scheduler answers lookups from its CPU view (`lookup_view`): on, with
-    one rank, and the CPU tier the only place a chunk can be found (no disk, remote or
-    peer tier below it, so a chunk it does not hold is nowhere)."""
-    return (
+def view_tiers(config: RayKVConfig) -> tuple[str, ...] | None:
+    """The tiers the scheduler's CPU view follows (`lookup_view`), or None for no view.
+    On with one rank and a CPU tier, where nothing below the local tiers can hold a
+    chunk (no remote or peer tier: a chunk the view does not list is nowhere): the CPU
+    tier, and the disk tier too in async load mode (a hit on disk then loads on the
+    loader thread, which reads it; in sync mode a lookup promotes it before the step)."""
+    if not (
         config.lookup_view
         and config.world_size == 1
         and config.local_cpu
-        and config.local_disk is None
         and config.remote_url is None
         and not config.enable_controller
-    )
+    ):
+        return None
+    if config.local_disk is None:
+        return (TIER_CPU,)
+    return (TIER_CPU, TIER_DISK) if config.load_mode == "async" else None
 
 
 __all__ = [
     "KEY_VERSION",
     "block_hashes_shared",
     "chunk_hashes",
-    "lookups_from_view",
+    "view_tiers",
     "rank_spans",
     "raykv_config",
     "warn_other_layouts",

@@ -47,12 +47,14 @@ MAX_SAVING = 65536
 
 
 class CPUView:
-    """This engine's chunk hashes in raykv's CPU tier, kept by a polling thread."""
+    """This engine's chunk hashes in raykv's CPU tier (and disk tier: `tiers`), kept by a
+    polling thread."""
 
     def __init__(
         self,
         kv: Any,
         identity: tuple[str, int, int, str],
+        tiers: tuple[str, ...] = (TIER_CPU,),
         *,
         poll_s: float = POLL_S,
         idle_poll_s: float = IDLE_POLL_S,
@@ -61,11 +63,13 @@ class CPUView:
     ) -> None:
         self._kv = kv
         self._identity = identity  # `CacheKey.identity` of this engine's keys
+        self._tiers = tiers  # in lookup order: a chunk in the first is read from there
         self._poll_s = poll_s
         self._idle_poll_s = idle_poll_s
         self._stale_s = stale_s
         self._saving_s = saving_s
-        self._held: set[str] | None = None  # None: not known (not synced, or a poll failed)
+        # Each tier's chunk hashes; None: not known (not synced yet, or a poll failed).
+        self._held: dict[str, set[str]] | None = None
         self._cursor: tuple[str, int, int] | None = None
         self._polled_at = 0.0  # when the set was last brought up to date
         self._busy_until = 0.0
@@ -80,26 +84,34 @@ class CPUView:
         self._thread.start()
 
     def prefix(self, chunk_hashes: list[str]) -> int | None:
-        """How many leading chunks of `chunk_hashes` the CPU tier holds; None when the
-        set is not known or not fresh (after an idle spell: the call wakes the poller,
-        and the next requests find it fresh)."""
+        """How many leading chunks of `chunk_hashes` the tiers hold (`locate`)."""
+        where = self.locate(chunk_hashes)
+        return None if where is None else len(where)
+
+    def locate(self, chunk_hashes: list[str]) -> list[str] | None:
+        """The tier of each leading chunk of `chunk_hashes` the tiers hold (the first tier
+        that has it); None when the sets are not known or not fresh (after an idle spell:
+        the call wakes the poller, and the next requests find them fresh), or when the
+        first chunk missing is one this engine is saving right now."""
         now = time.monotonic()
         idle, self._busy_until = now > self._busy_until, now + IDLE_AFTER_S
-        held = self._held  # one read: the poller may swap in a new set
+        held = self._held  # one read: the poller may swap in new sets
         if held is None or idle or now - self._polled_at > self._stale_s:
             self._wake.set()
             return None
-        n = 0
+        sets = [(tier, held[tier]) for tier in self._tiers]
+        where: list[str] = []
         for h in chunk_hashes:
-            if h not in held:
+            tier = next((t for t, keys in sets if h in keys), None)
+            if tier is None:
                 break
-            n += 1
-        if n < len(chunk_hashes):
+            where.append(tier)
+        if len(where) < len(chunk_hashes):
             with self._saving_lock:
-                planned = self._saving.get(chunk_hashes[n])
+                planned = self._saving.get(chunk_hashes[len(where)])
             if planned is not None and now - planned < self._saving_s:
                 return None  # this engine is saving it: the tier may have it already
-        return n
+        return where
 
     def saving(self, chunk_hashes: list[str]) -> None:
         """This engine planned the save of these chunks: until the tier is seen admitting
@@ -116,20 +128,29 @@ class CPUView:
             ):
                 del self._saving[next(iter(self._saving))]
 
-    def hit(self, spans: list[Any]) -> int | None:
-        """The prefix tokens of `spans` (one rank's, in order) the CPU tier holds, counted
-        in raykv's lookup metrics as a manager lookup would count them; None when the set
-        is not known."""
-        n = self.prefix([s.key.chunk_hash for s in spans])
-        if n is None:
+    def hit(self, spans: list[Any]) -> tuple[int, list[tuple[str, int]]] | None:
+        """The prefix tokens of `spans` (one rank's, in order) the tiers hold and where, as
+        a lookup's sources (`[(tier, prefix tokens up to the end of its run)]`), counted
+        in raykv's lookup metrics as a manager lookup would count them; None when the
+        sets are not known (`locate`)."""
+        where = self.locate([s.key.chunk_hash for s in spans])
+        if where is None:
             return None
-        hit = spans[n - 1].end if n else 0
+        sources: list[tuple[str, int]] = []
+        for span, tier in zip(spans, where, strict=False):
+            if sources and sources[-1][0] == tier:
+                sources[-1] = (tier, span.end)
+            else:
+                sources.append((tier, span.end))
+        hit = sources[-1][1] if sources else 0
         metrics.inc("raykv_lookups")
         metrics.inc("raykv_hit_tokens", hit)
         metrics.inc("raykv_miss_tokens", spans[-1].end - hit)
-        if hit:
-            metrics.inc("raykv_tier_hit_tokens", hit, tier=TIER_CPU)
-        return hit
+        low = 0
+        for tier, high in sources:
+            metrics.inc("raykv_tier_hit_tokens", high - low, tier=tier)
+            low = high
+        return hit, sources
 
     def close(self) -> None:
         self._stop.set()
@@ -145,7 +166,10 @@ class CPUView:
 
     def _poll(self) -> None:
         try:
-            reply = self._kv.cpu_events(self._cursor, self._identity)
+            if self._tiers == (TIER_CPU,):  # the CPU log's own form: (admitted, hash)
+                reply = self._kv.cpu_events(self._cursor, self._identity)
+            else:
+                reply = self._kv.cpu_events(self._cursor, self._identity, self._tiers)
             if reply is None:  # a fault (logged by the client): unknown until the next poll
                 self._lost()
                 return
@@ -155,28 +179,35 @@ class CPUView:
                 # fallen off its ring): a snapshot taken after that cursor, then the
                 # events after it on top (replaying one already in the snapshot leaves
                 # each key as its last event says).
-                held = self._kv.cpu_keys(self._identity)
-                if held is None:
+                held = {t: self._kv.cpu_keys(self._identity, t) for t in self._tiers}
+                if any(keys is None for keys in held.values()):
                     self._lost()
                     return
-                self._held = set(held)
+                self._held = {t: set(keys) for t, keys in held.items()}
                 self.resyncs += 1
+                with self._saving_lock:  # admitted meanwhile: in the snapshot
+                    for key in [k for k in self._saving if any(k in v for v in held.values())]:
+                        del self._saving[key]
             else:
-                held = self._held
-                for admitted, key in changes:
-                    if admitted:
-                        held.add(key)
-                    else:
-                        held.discard(key)
-                with self._saving_lock:
-                    for admitted, key in changes:
-                        if admitted:
-                            self._saving.pop(key, None)
+                self._apply([c if len(c) == 3 else (c[0], TIER_CPU, c[1]) for c in changes])
             self._cursor = tuple(cursor)
             self._polled_at = time.monotonic()
         except Exception as exc:  # a closed or broken client: unknown until it answers
             logger.debug("raykv CPU view: polling the manager failed: %r", exc)
             self._lost()
+
+    def _apply(self, changes: list[tuple[bool, str, str]]) -> None:
+        held = self._held
+        assert held is not None
+        for admitted, tier, key in changes:
+            if admitted:
+                held[tier].add(key)
+            else:
+                held[tier].discard(key)
+        with self._saving_lock:
+            for admitted, _, key in changes:
+                if admitted:
+                    self._saving.pop(key, None)
 
     def _lost(self) -> None:
         self._held = None

@@ -1,4 +1,5 @@
-"""What entered and left the CPU tier, in order, for readers that poll (Ray-free).
+"""What entered and left the CPU tier (and the disk tier), in order, for readers that
+poll (Ray-free).
 
 The manager's index tells its reporters what each CPU ack admitted and evicted
 (`PrefixIndex.reporter`); `CPULog` keeps the latest of those events numbered, so a
@@ -12,7 +13,9 @@ say which keys left meanwhile. `since` then answers None for the events, meaning
 every key you were told of is gone"; the reader starts over from the cursor it is given.
 A cursor names its log (a restarted manager's log refuses it the same way).
 
-Nothing is recorded until the first `since`: a manager nobody polls pays nothing.
+`since_tiers` answers the same for the disk tier's events too (the vLLM connector's CPU
+view of a CPU + disk cache). Nothing is recorded for a tier until a reader first asks
+for it: a manager nobody polls pays nothing.
 """
 
 from __future__ import annotations
@@ -23,25 +26,29 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, KeyIdentity
-from raykv.wire import TIER_CPU
+from raykv.wire import TIER_CPU, TIER_DISK
 
 CPU_LOG_EVENTS = 16384
 
-# A reader's position: (the log's id, events numbered so far, CPU losses so far).
+# A reader's position: (the log's id, events numbered so far, losses so far of the tiers
+# it reads).
 Cursor = tuple[str, int, int]
+LOGGED_TIERS = (TIER_CPU, TIER_DISK)
 
 
 class CPULog:
-    """The latest CPU admissions and evictions (a reporter of `PrefixIndex`)."""
+    """The latest CPU (and, for readers that ask, disk) admissions and evictions (a
+    reporter of `PrefixIndex`)."""
 
     def __init__(self, capacity: int = CPU_LOG_EVENTS) -> None:
-        # (admitted, key) pairs; the first one is event number `self._next - len(ring)`.
-        self._ring: deque[tuple[bool, CacheKey]] = deque(maxlen=capacity)
+        # (admitted, tier, key); the first one is event number `self._next - len(ring)`.
+        self._ring: deque[tuple[bool, str, CacheKey]] = deque(maxlen=capacity)
         self._id = uuid.uuid4().hex
         self._next = 0
-        self._losses = 0
-        self._on = False
+        self._losses = dict.fromkeys(LOGGED_TIERS, 0)
+        self._watched: frozenset[str] = frozenset()  # tiers some reader asked for
 
     def admitted(self, tier: str, keys: Iterable[CacheKey]) -> None:
         self._record(True, tier, keys)
@@ -50,36 +57,50 @@ class CPULog:
         self._record(False, tier, keys)
 
     def _record(self, admitted: bool, tier: str, keys: Iterable[CacheKey]) -> None:
-        if self._on and tier == TIER_CPU:
+        if tier in self._watched:
             for key in keys:
-                self._ring.append((admitted, key))
+                self._ring.append((admitted, tier, key))
                 self._next += 1
 
     def lost(self, tier: str | None = None) -> None:
         """`tier`'s index was rebuilt (None: every tier's): keys may have left unrecorded."""
-        if tier in (None, TIER_CPU):
-            self._losses += 1
+        for t in LOGGED_TIERS if tier is None else (tier,):
+            if t in self._losses:
+                self._losses[t] += 1
 
     def since(
         self, cursor: Cursor | None, identity: KeyIdentity
     ) -> tuple[Cursor, list[tuple[bool, str]] | None]:
-        """The events after `cursor` for keys of `identity` (`CacheKey.identity`: model,
-        world size, worker, dtype), as `(admitted, chunk hash)` pairs in order, and the
-        cursor to pass next. None for the events when the log cannot say (the reader's
+        """The CPU tier's events after `cursor` for keys of `identity` (`CacheKey.identity`:
+        model, world size, worker, dtype), as `(admitted, chunk hash)` pairs in order, and
+        the cursor to pass next. None for the events when the log cannot say (the reader's
         first call, a loss since `cursor`, events that fell off the ring, a cursor of
         another log): the reader assumes every key it was told of gone."""
-        self._on = True
-        now = (self._id, self._next, self._losses)
-        if cursor is None or tuple(cursor[::2]) != (self._id, self._losses):
+        now, events = self.since_tiers(cursor, identity, (TIER_CPU,))
+        return now, None if events is None else [(a, h) for a, _, h in events]
+
+    def since_tiers(
+        self, cursor: Cursor | None, identity: KeyIdentity, tiers: Iterable[str]
+    ) -> tuple[Cursor, list[tuple[bool, str, str]] | None]:
+        """`since` for the events of several tiers (`LOGGED_TIERS`), as `(admitted, tier,
+        chunk hash)`. A reader passes the same tiers on every call (its cursor counts the
+        losses of those tiers)."""
+        tiers = tuple(tiers)
+        unknown = set(tiers) - set(LOGGED_TIERS)
+        if unknown:
+            raise InvalidInputError(f"the log records {LOGGED_TIERS}, not {sorted(unknown)}")
+        self._watched = self._watched | set(tiers)
+        now = (self._id, self._next, sum(self._losses[t] for t in tiers))
+        if cursor is None or (cursor[0], cursor[2]) != (now[0], now[2]):
             return now, None
         start = cursor[1] - (self._next - len(self._ring))
         if start < 0 or cursor[1] > self._next:
             return now, None
         identity = tuple(identity)
         events = [
-            (admitted, key.chunk_hash)
-            for admitted, key in itertools.islice(self._ring, start, None)
-            if key.identity == identity
+            (admitted, tier, key.chunk_hash)
+            for admitted, tier, key in itertools.islice(self._ring, start, None)
+            if tier in tiers and key.identity == identity
         ]
         return now, events
 
@@ -105,4 +126,4 @@ class Reporters:
             r.lost(tier)
 
 
-__all__ = ["CPU_LOG_EVENTS", "CPULog", "Cursor", "Reporters"]
+__all__ = ["CPU_LOG_EVENTS", "LOGGED_TIERS", "CPULog", "Cursor", "Reporters"]

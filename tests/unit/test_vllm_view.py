@@ -16,29 +16,37 @@ IDENTITY = ("model", 1, 0, "bfloat16")
 
 
 class FakeCache:
-    """`KVCache.cpu_events` / `cpu_keys` over a set the test changes: events are queued
-    as the test changes the set; `lose()` makes the next poll unable to say."""
+    """`KVCache.cpu_events` / `cpu_keys` over per-tier sets the test changes: events are
+    queued as the test changes the sets; `lose()` makes the next poll unable to say."""
 
-    def __init__(self, held: set[str]) -> None:
-        self.held = set(held)
-        self.queued: list[tuple[bool, str]] = []
+    def __init__(self, held: set[str], disk: set[str] = frozenset()) -> None:
+        self.tiers = {"cpu": set(held), "disk": set(disk)}
+        self.queued: list[tuple[bool, str, str]] = []
         self.log = 0  # the log's id: a new one refuses old cursors
         self.fail = False
         self.snapshots = 0
 
-    def admit(self, *keys: str) -> None:
-        self.held.update(keys)
-        self.queued += [(True, k) for k in keys]
+    @property
+    def held(self) -> set[str]:
+        return self.tiers["cpu"]
 
-    def evict(self, *keys: str) -> None:
-        self.held.difference_update(keys)
-        self.queued += [(False, k) for k in keys]
+    @held.setter
+    def held(self, keys: set[str]) -> None:
+        self.tiers["cpu"] = set(keys)
+
+    def admit(self, *keys: str, tier: str = "cpu") -> None:
+        self.tiers[tier].update(keys)
+        self.queued += [(True, tier, k) for k in keys]
+
+    def evict(self, *keys: str, tier: str = "cpu") -> None:
+        self.tiers[tier].difference_update(keys)
+        self.queued += [(False, tier, k) for k in keys]
 
     def lose(self) -> None:
         self.log += 1
         self.queued = []
 
-    def cpu_events(self, cursor: Any, identity: Any) -> Any:
+    def cpu_events(self, cursor: Any, identity: Any, tiers: Any = None) -> Any:
         assert tuple(identity) == IDENTITY
         if self.fail:
             return None
@@ -47,14 +55,16 @@ class FakeCache:
             self.queued = []
             return now, None
         out, self.queued = self.queued, []
-        return now, out
+        if tiers is None:  # the CPU log's own form
+            return now, [(a, k) for a, t, k in out if t == "cpu"]
+        return now, [c for c in out if c[1] in tiers]
 
-    def cpu_keys(self, identity: Any) -> list[str] | None:
+    def cpu_keys(self, identity: Any, tier: str = "cpu") -> list[str] | None:
         assert tuple(identity) == IDENTITY
         if self.fail:
             return None
-        self.snapshots += 1
-        return sorted(self.held)
+        self.snapshots += tier == "cpu"
+        return sorted(self.tiers[tier])
 
 
 def spans(*hashes: str) -> list[ChunkSpan]:
@@ -146,7 +156,7 @@ def test_hit_answers_tokens_and_counts_the_lookup_as_the_manager_would(view_of, 
     recorded: list[tuple[str, float, dict]] = []
     monkeypatch.setattr(metrics, "inc", lambda n, v=1, **tags: recorded.append((n, v, tags)))
     v = view_of(FakeCache({"a", "b"}))
-    assert v.hit(spans("a", "b", "c")) == 8
+    assert v.hit(spans("a", "b", "c")) == (8, [("cpu", 8)])
     assert recorded == [
         ("raykv_lookups", 1, {}),
         ("raykv_hit_tokens", 8, {}),
@@ -154,7 +164,7 @@ def test_hit_answers_tokens_and_counts_the_lookup_as_the_manager_would(view_of, 
         ("raykv_tier_hit_tokens", 8, {"tier": "cpu"}),
     ]
     recorded.clear()
-    assert v.hit(spans("z")) == 0
+    assert v.hit(spans("z")) == (0, [])
     assert [r[:2] for r in recorded] == [
         ("raykv_lookups", 1),
         ("raykv_hit_tokens", 0),
@@ -178,19 +188,39 @@ def test_the_poller_thread_keeps_the_view_current_while_busy():
     assert not v._thread.is_alive()
 
 
+def test_a_cpu_and_disk_view_locates_each_chunk_in_the_first_tier_that_holds_it(view_of):
+    cache = FakeCache({"a", "c"}, disk={"b", "c"})
+    v = view_of(cache, tiers=("cpu", "disk"))
+    assert v.locate(["a", "b", "c", "d"]) == ["cpu", "disk", "cpu"]
+    cache.evict("c")
+    cache.admit("d", tier="disk")
+    cache.evict("b", tier="disk")
+    v._poll()
+    assert v.locate(["a", "c", "d"]) == ["cpu", "disk", "disk"]
+    assert v.locate(["a", "b"]) == ["cpu"]
+    assert v.hit(spans("a", "c", "d", "e")) == (12, [("cpu", 4), ("disk", 12)])
+
+
 @pytest.mark.parametrize(
-    ("overrides", "on"),
+    ("overrides", "tiers"),
     [
-        ({}, True),
-        ({"lookup_view": False}, False),
-        ({"world_size": 2}, False),  # the scheduler looks up every rank's keys
-        ({"local_disk": "/tmp/raykv-view-test", "max_local_disk_size": 1.0}, False),
-        ({"remote_url": "redis://127.0.0.1:1"}, False),
-        ({"enable_controller": True}, False),  # a peer may hold what this node does not
+        ({}, ("cpu",)),
+        ({"lookup_view": False}, None),
+        ({"world_size": 2}, None),  # the scheduler looks up every rank's keys
+        ({"local_cpu": False, "local_disk": "/tmp/raykv-view", "max_local_disk_size": 1.0}, None),
+        ({"local_disk": "/tmp/raykv-view", "max_local_disk_size": 1.0}, ("cpu", "disk")),
+        (  # sync loads: a lookup promotes disk hits before the step that loads them
+            {"local_disk": "/tmp/raykv-view", "max_local_disk_size": 1.0, "load_mode": "sync"},
+            None,
+        ),
+        ({"remote_url": "redis://127.0.0.1:1"}, None),
+        ({"enable_controller": True}, None),  # a peer may hold what this node does not
     ],
 )
-def test_the_view_answers_only_where_the_cpu_tier_is_the_only_tier(overrides, on):
+def test_the_view_follows_the_local_tiers_only_where_nothing_else_can_hold_a_chunk(
+    overrides, tiers
+):
     from raykv.config import RayKVConfig
-    from raykv.integrations.vllm_setup import lookups_from_view
+    from raykv.integrations.vllm_setup import view_tiers
 
-    assert lookups_from_view(RayKVConfig(**overrides)) is on
+    assert view_tiers(RayKVConfig(**overrides)) == tiers
