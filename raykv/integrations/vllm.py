@@ -25,9 +25,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
   lookup thread (a prefetch: chunks found only on disk or a remote are promoted into the
   CPU tier at once) and answers `(None, False)` until it is back, so vLLM schedules the
   other requests meanwhile. Past `max_lookups_in_flight` or `lookup_timeout_ms` the
-  request is computed; a late reply's pins are released. With the CPU tier the only
-  tier and one rank, the scheduler answers at once from its copy of the tier's keys
-  instead (`lookup_view`, `raykv.integrations.vllm_view`): no round trip, no step waited.
+  request is computed; a late reply's pins are released. With one rank and only local
+  tiers (CPU, and disk in async mode), the scheduler answers at once from its copy of
+  their keys instead (`lookup_view`, `raykv.integrations.vllm_view`): no round trip.
 - load: a hit answers `(n, True)`: vLLM parks the request (`WAITING_FOR_REMOTE_KVS`)
   and `start_load_kv` hands the copy to a loader thread; `get_finished` reports the
   request once its blocks are written (failed blocks in the same pass, and vLLM

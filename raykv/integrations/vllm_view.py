@@ -6,12 +6,13 @@ on a loaded CPU engine it is seldom back within the step's `lookup_wait_ms`, and
 request whose lookup is not back waits a whole engine step (often another request's
 prefill): measured, 0.5-0.75 steps per request in `bench_serving --quick`.
 
-When the CPU tier is the only place a chunk can be (no disk, remote or peer tier) and
-the engine has one rank, the scheduler answers from a local set of this engine's chunk
-hashes in the CPU tier instead: no round trip, no wait. A thread keeps the set: a
-snapshot of the tier (`KVCache.cpu_keys`) at start and whenever the manager's event log
-cannot say what changed, then the log's admissions and evictions
-(`KVCache.cpu_events`), polled every `POLL_S` while the engine is busy.
+When this node's tiers are the only places a chunk can be (no remote or peer tier) and
+the engine has one rank, the scheduler answers from local sets of this engine's chunk
+hashes in the CPU tier (and the disk tier, `tiers`) instead: no round trip, no wait. A
+hit found on disk is loaded on the loader thread (the worker's read promotes it). A
+thread keeps the sets: a snapshot of each tier (`KVCache.cpu_keys`) at start and
+whenever the manager's event log cannot say what changed, then the log's admissions and
+evictions (`KVCache.cpu_events`), polled every `POLL_S` while the engine is busy.
 
 The set trails the tier by up to one poll, and errs either way at a cost in time, never
 in data: a chunk admitted since the last poll is computed instead of loaded, and one
