@@ -23,7 +23,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   (`sync_load_max_bytes`, the default before 2026-11-26: 32 MiB since), larger ones on
   the loader thread; `B-noview`: `B` whose scheduler sends every new request's lookup
   to the manager (`lookup_view: false`, the only way before 2026-11-26) instead of
-  answering it from its copy of the CPU tier's keys;
+  answering it from its copy of the CPU tier's keys; `BD`: `B` with a disk tier of the
+  same size below its CPU tier (the view follows both), `BD-noview` the same without;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
@@ -106,6 +107,8 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "B-wait0": (1, "pow2", "cpu", False),
     "B-inline4": (1, "pow2", "cpu", False),
     "B-noview": (1, "pow2", "cpu", False),
+    "BD": (1, "pow2", "cpu+disk", False),
+    "BD-noview": (1, "pow2", "cpu+disk", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
 # wait for a new request's lookup (every request then waits at least one engine step);
@@ -116,6 +119,7 @@ ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-wait0": {"lookup_wait_ms": 0},
     "B-inline4": {"sync_load_max_bytes": 4 << 20},
     "B-noview": {"lookup_view": False},
+    "BD-noview": {"lookup_view": False},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
 GROUPS = (
@@ -139,6 +143,8 @@ def tier_settings(tier: str, args: argparse.Namespace, redis_url: str | None) ->
         return {"max_local_cpu_size": gb}
     if tier == "disk":
         return {"local_cpu": False, "local_disk": args.disk_dir, "max_local_disk_size": gb}
+    if tier == "cpu+disk":  # B's CPU tier with a disk tier of the same size below it
+        return {"max_local_cpu_size": gb, "local_disk": args.disk_dir, "max_local_disk_size": gb}
     if tier == "redis":
         return {"local_cpu": False, "remote_url": redis_url, "max_remote_size": gb}
     if tier == "soak":  # a small CPU tier (evicts under pressure) above Redis
