@@ -90,6 +90,18 @@ def make_llm(
     )
 
 
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler's raykv connector of an in-process engine (`make_llm`)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector() -> Any:
+    """The worker's raykv connector of the in-process engine (vLLM keeps one, globally)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
 def kv_events_config(port: int) -> Any:
     """vLLM's KV events published over ZMQ to 127.0.0.1:`port` (vLLM connects to an
     address that is not a wildcard: the `EventSink` binds it)."""

@@ -105,19 +105,9 @@ def engine(
         gc.collect()
 
 
-def scheduler_connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
-
-
-def worker_connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group()
-
-
 def settle(llm: Any, kv: raykv.KVCache) -> None:
     """Saves landed in every tier; vLLM's own prefix cache emptied."""
-    worker_connector().flush()
+    vt.worker_connector().flush()
     assert kv.flush(60)
     assert llm.reset_prefix_cache()
 
@@ -186,7 +176,7 @@ def test_loaded_kv_is_what_the_model_reads(engine, monkeypatch):
     tokens = vt.prompt(11, 4 * vt.CHUNK + 5)
     cold = vt.run(llm, [tokens])[0]
     settle(llm, kv)
-    pages = worker_connector()._pages
+    pages = vt.worker_connector()._pages
     real_load = pages.load
 
     def noisy_load(buf, meta, block_ids, first=0):
@@ -208,7 +198,7 @@ def test_preemption_and_abort_release_every_pin(engine, monkeypatch):
     from vllm.inputs import TokensPrompt
 
     llm, _, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     monkeypatch.setattr(sched, "config", sched.config.replace(lookup_wait_ms=0))
     monkeypatch.setattr(sched, "_wait_left", 0.0)
     system = vt.prompt(20, 8 * vt.CHUNK)
@@ -289,7 +279,7 @@ def free_blocks(llm: Any) -> int:
 
 
 def async_only(llm: Any) -> None:
-    if scheduler_connector(llm).config.load_mode != "async":
+    if vt.scheduler_connector(llm).config.load_mode != "async":
         pytest.skip("an async load only")
 
 
@@ -352,7 +342,7 @@ def test_kv_events_report_the_blocks_raykv_holds_until_it_drops_them(engine, ref
     assert [stored[i] for i in range(whole)] == [gpu[i] for i in range(whole)]
     assert {e.medium for e in ours} == {"CPU"}
     # raykv drops those chunks: their blocks are reported removed.
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     mine = set(stored.values())
     held = [k for k, blocks in sched._events._held.items() if set(blocks) <= mine]
     keys = CacheKey.many(sched._events._identity, held)
@@ -378,7 +368,7 @@ def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, m
     real hit (asked right after `update_state_after_alloc`, as vLLM's scheduler does when
     its stats are on): every loaded token under "host" (raykv's CPU tier)."""
     llm, _, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     told: list[dict[str, int]] = []
     real = sched.update_state_after_alloc
 
@@ -406,7 +396,7 @@ def test_a_lookup_back_within_lookup_wait_ms_is_answered_in_its_first_step(
     one back in time is answered at once (a miss as 0, a hit as its tokens), never with
     "ask me next step" (the wait is made generous here, so the test never races)."""
     llm, _, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     monkeypatch.setattr(sched, "config", sched.config.replace(lookup_wait_ms=5000))
     monkeypatch.setattr(sched, "_wait_left", 5.0)
     first: dict[str, tuple[Any, bool]] = {}
@@ -431,7 +421,7 @@ def test_an_async_engine_copies_a_small_hit_in_its_step(engine, reference, monke
     its step's forward pass, even in async mode: it saves the request a whole step."""
     llm, _, kv = engine
     async_only(llm)
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     monkeypatch.setattr(sched, "config", sched.config.replace(sync_load_max_bytes=1 << 30))
     answers: list[tuple[Any, bool]] = []
     real = sched.get_num_new_matched_tokens
@@ -457,7 +447,7 @@ def test_a_slow_lookup_holds_only_its_own_request(engine, reference, monkeypatch
     llm, _, kv = engine
     vt.run(llm, [PROMPTS["doc_q1"]])
     settle(llm, kv)
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     real = sched._pinned_lookup
     answered = []
 
@@ -497,7 +487,7 @@ def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
     async_only(llm)
     vt.run(llm, [PROMPTS["long"]])
     settle(llm, kv)
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     loads, waits = sched.async_loads, sched.waits_for_load
     outs = vt.run(llm, [PROMPTS["long"], PROMPTS["long"]])
     assert sched.async_loads - loads == 1
@@ -513,7 +503,7 @@ def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
 
 def slow_pages(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every chunk the worker copies into the KV blocks takes `seconds` longer."""
-    pages = worker_connector()._pages
+    pages = vt.worker_connector()._pages
     real = pages.load
 
     def load(*args, **kwargs):
@@ -531,8 +521,8 @@ def test_an_abort_during_a_load_frees_every_block_and_pin(engine, reference, mon
     settle(llm, kv)
     baseline = free_blocks(llm)
     slow_pages(monkeypatch, 0.2)
-    sched, eng = scheduler_connector(llm), llm.llm_engine
-    loads, failed = sched.async_loads, worker_connector().failed_tokens
+    sched, eng = vt.scheduler_connector(llm), llm.llm_engine
+    loads, failed = sched.async_loads, vt.worker_connector().failed_tokens
     eng.add_request("abort-me", vt.tokens_prompt(tokens), vt.sampling(6))
     while sched.async_loads == loads:
         eng.step()
@@ -543,8 +533,8 @@ def test_an_abort_during_a_load_frees_every_block_and_pin(engine, reference, mon
     while eng.has_unfinished_requests() or sched._loading:
         assert time.monotonic() < deadline, "the aborted load was never reported"
         eng.step()
-    assert not worker_connector()._loads
-    assert worker_connector().failed_tokens > failed  # stopped before its last chunk
+    assert not vt.worker_connector()._loads
+    assert vt.worker_connector().failed_tokens > failed  # stopped before its last chunk
     assert free_blocks(llm) == baseline
     monkeypatch.undo()
     llm.reset_prefix_cache()
@@ -560,7 +550,7 @@ def test_a_timed_out_load_is_recomputed(engine, reference, monkeypatch):
     vt.run(llm, [PROMPTS["long"]])
     settle(llm, kv)
     baseline = free_blocks(llm)
-    worker = worker_connector()
+    worker = vt.worker_connector()
     monkeypatch.setattr(worker, "config", worker.config.replace(load_timeout_ms=100))
     slow_pages(monkeypatch, 0.15)
     failed = worker.failed_tokens

@@ -59,18 +59,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
         gc.collect()
 
 
-def scheduler_connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
-
-
 def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
     """Saves landed in the CPU tier, the view saw them admitted, vLLM's own prefix cache
     is empty, and the engine is busy (its next request is answered from the view)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    get_kv_transfer_group().flush()
+    vt.worker_connector().flush()
     assert kv.flush(60)
-    view = scheduler_connector(llm)._view
+    view = vt.scheduler_connector(llm)._view
     deadline = time.monotonic() + 20
     while view._saving:  # a planned save leaves once the view sees the tier admit it
         assert time.monotonic() < deadline, (list(view._saving), view.resyncs, view._cursor)
@@ -95,7 +89,7 @@ def first_answers(sched: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]
 
 def test_a_cpu_only_engine_answers_a_hit_from_its_view_in_the_first_step(engine, monkeypatch):
     llm, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     assert sched._view is not None  # local tiers, one rank, async loads: on by default
     cold = vt.run(llm, [PROMPTS["hit"]])[0]
     stored_and_seen(llm, kv)
@@ -113,7 +107,7 @@ def test_a_cpu_only_engine_answers_a_hit_from_its_view_in_the_first_step(engine,
 
 def test_a_chunk_the_view_lists_but_the_tier_dropped_is_recomputed(engine, monkeypatch):
     llm, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     view = sched._view
     cold = vt.run(llm, [PROMPTS["dropped"]])[0]
     stored_and_seen(llm, kv)
@@ -121,9 +115,7 @@ def test_a_chunk_the_view_lists_but_the_tier_dropped_is_recomputed(engine, monke
     monkeypatch.setattr(view, "_poll", lambda: None)
     monkeypatch.setattr(view, "_polled_at", time.monotonic() + 3600)
     kv.clear()
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = get_kv_transfer_group()
+    worker = vt.worker_connector()
     failed, from_view = worker.failed_tokens, sched.lookups_from_view
     answers = first_answers(sched, monkeypatch)
     warm = vt.run(llm, [PROMPTS["dropped"]])[0]
@@ -137,7 +129,7 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     from raykv.keys import CacheKey
 
     llm, kv = engine
-    sched = scheduler_connector(llm)
+    sched = vt.scheduler_connector(llm)
     view = sched._view
     saved: list[str] = []
     real_saving = view.saving
