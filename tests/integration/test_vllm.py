@@ -338,7 +338,11 @@ def test_kv_events_report_the_blocks_raykv_holds_until_it_drops_them(engine, ref
         if len(stored) >= whole or time.monotonic() > deadline:
             break
     gpu = _blocks_at([e for e in events if getattr(e, "medium", None) == "GPU"], tokens)
-    assert sorted(stored) == list(range(whole))
+    ev = vt.scheduler_connector(llm)._events
+    assert sorted(stored) == list(range(whole)), (  # what the connector knew, if not
+        f"cursor {ev._cursor}, planned {len(ev._planned)}, held {len(ev._held)}, "
+        f"events {len(events)}, ours {len(ours)}, cpu {kv.stats()['tiers']['cpu']}"
+    )
     assert [stored[i] for i in range(whole)] == [gpu[i] for i in range(whole)]
     assert {e.medium for e in ours} == {"CPU"}
     # raykv drops those chunks: their blocks are reported removed.
