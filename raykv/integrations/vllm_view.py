@@ -167,10 +167,7 @@ class CPUView:
 
     def _poll(self) -> None:
         try:
-            if self._tiers == (TIER_CPU,):  # the CPU log's own form: (admitted, hash)
-                reply = self._kv.cpu_events(self._cursor, self._identity)
-            else:
-                reply = self._kv.cpu_events(self._cursor, self._identity, self._tiers)
+            reply = self._kv.cpu_events(self._cursor, self._identity, self._tiers)
             if reply is None:  # a fault (logged by the client): unknown until the next poll
                 self._lost()
                 return
@@ -190,7 +187,7 @@ class CPUView:
                     for key in [k for k in self._saving if any(k in v for v in held.values())]:
                         del self._saving[key]
             else:
-                self._apply([c if len(c) == 3 else (c[0], TIER_CPU, c[1]) for c in changes])
+                self._apply(changes)
             self._cursor = tuple(cursor)
             self._polled_at = time.monotonic()
         except Exception as exc:  # a closed or broken client: unknown until it answers
