@@ -10,8 +10,8 @@ than an engine's pool; with events on, the connector reports it beside vLLM's ow
   only when the manager says the CPU tier took it, so a dropped or refused save is never
   advertised.
 * `BlockRemoved` (same medium and ownership) once it left the CPU tier: evicted,
-  removed, or lost with a CPU store (when the manager cannot say which chunks left, all
-  that were reported are reported removed). Chunks only a lower tier (disk, remote) holds
+  removed, or lost with a CPU store (when the manager's log cannot say what changed, the
+  connector compares what it reported with the CPU tier's keys, `KVCache.cpu_keys`). Chunks only a lower tier (disk, remote) holds
   are not advertised: they load slower, and a router that counted them as cached would
   overrate the replica.
 
@@ -135,23 +135,48 @@ class KVEvents:
         if reply is None:  # a fault (logged by the client): try again next time
             return
         cursor, changes = reply
+        if changes is None and self._cursor is not None:
+            self._resync(cursor)
+            return
         with self._lock:
-            first, self._cursor = self._cursor is None, tuple(cursor)
-            if changes is None:
-                if not first:  # the manager lost track: everything reported may be gone
-                    self._removed(list(self._held))
+            self._cursor = tuple(cursor)
+            if changes is None:  # the first poll: nothing reported or planned yet
                 return
             for admitted, key in changes:
-                if not admitted:
+                if admitted:
+                    self._admitted(key)
+                else:
                     self._removed([key])
-                    continue
-                event = self._planned.pop(key, None)
-                if event is not None:
-                    self._out.append(event)
-                    self._held[key] = event.block_hashes
-                    self._held.move_to_end(key)
             if len(self._held) > self._max_held:
                 self._removed(list(self._held)[: len(self._held) - self._max_held])
+
+    def _resync(self, cursor: Any) -> None:
+        """The log cannot say what changed (a CPU store restarted, the ring overflowed):
+        compare what was reported and planned with what the CPU tier holds now, taken
+        after `cursor`, so events that follow it apply on top. Admissions the log never
+        recorded (a chunk stored while the tier's index was rebuilt) are reported too."""
+        try:
+            present = self._kv.cpu_keys(self._identity)
+        except Exception as exc:
+            logger.debug("raykv KV events: reading the CPU tier's keys failed: %r", exc)
+            present = None
+        with self._lock:
+            self._cursor = tuple(cursor)
+            if present is None:  # cannot tell: everything reported may be gone
+                self._removed(list(self._held))
+                return
+            held = set(present)
+            self._removed([k for k in self._held if k not in held])
+            for key in [k for k in self._planned if k in held]:
+                self._admitted(key)
+
+    def _admitted(self, key: str) -> None:
+        """Report a planned chunk the CPU tier took (under the lock)."""
+        event = self._planned.pop(key, None)
+        if event is not None:
+            self._out.append(event)
+            self._held[key] = event.block_hashes
+            self._held.move_to_end(key)
 
     def _removed(self, keys: list[str]) -> None:
         """Report the blocks of the held chunks among `keys` removed (under the lock)."""

@@ -42,6 +42,13 @@ class FakeCache:
     def __init__(self) -> None:
         self.replies: list[Any] = []
         self.cursor = 0
+        self.present: list[str] | None = None  # `cpu_keys`' answer (None: a fault)
+        self.snapshots = 0
+
+    def cpu_keys(self, identity):
+        assert identity == IDENTITY
+        self.snapshots += 1
+        return self.present
 
     def cpu_events(self, cursor, identity):
         assert identity == IDENTITY
@@ -103,12 +110,30 @@ def test_a_chunk_stored_from_the_middle_of_a_request_names_its_parent(events):
     assert stored.token_ids == list(range(8, 12))
 
 
-def test_when_the_manager_cannot_say_every_reported_block_is_removed(events):
+def test_when_the_log_cannot_say_the_events_follow_the_cpu_tiers_keys(events):
+    """A CPU store restarted (its index rebuilt from a snapshot, nothing logged): what was
+    reported and is gone is removed, and a planned chunk the tier took meanwhile, which
+    the log never recorded, is reported stored (the first poll reads no snapshot)."""
+    ev, cache = events
+    assert cache.snapshots == 0
+    req = FakeRequest(list(range(12)))
+    ev.planned(req, ["k0", "k1", "k2"], 0)
+    poll(ev, cache, [(True, "k0"), (True, "k1")])
+    cache.present = ["k1", "k2", "not-ours"]
+    removed, stored = poll(ev, cache, None)
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == ext(req.block_hashes[0:2])
+    assert isinstance(stored, BlockStored) and stored.block_hashes == ext(req.block_hashes[4:6])
+    assert cache.snapshots == 1
+    (gone,) = poll(ev, cache, [(False, "k2")])  # the log goes on from the cursor
+    assert gone.block_hashes == ext(req.block_hashes[4:6])
+
+
+def test_when_neither_log_nor_snapshot_can_say_every_reported_block_is_removed(events):
     ev, cache = events
     req = FakeRequest(list(range(8)))
     ev.planned(req, ["k0", "k1"], 0)
     poll(ev, cache, [(True, "k0"), (True, "k1")])
-    (removed,) = poll(ev, cache, None)
+    (removed,) = poll(ev, cache, None)  # cache.present is None: the snapshot failed too
     assert removed.block_hashes == ext(req.block_hashes[0:4])
     assert poll(ev, cache, None) == []
 
