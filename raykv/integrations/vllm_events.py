@@ -11,8 +11,8 @@ than an engine's pool; with events on, the connector reports it beside vLLM's ow
   advertised.
 * `BlockRemoved` (same medium and ownership) once it left the CPU tier: evicted,
   removed, or lost with a CPU store (when the manager's log cannot say what changed, the
-  connector compares what it reported with the CPU tier's keys, `KVCache.cpu_keys`). Chunks only a lower tier (disk, remote) holds
-  are not advertised: they load slower, and a router that counted them as cached would
+  connector compares what it reported with the CPU tier's keys, `KVCache.cpu_keys`).
+  Chunks only a lower tier (disk, remote) holds are not advertised: they load slower, and a router that counted them as cached would
   overrate the replica.
 
 Who advertises a shared chunk: only the engine that stored it (only it knows its blocks'
