@@ -12,8 +12,8 @@ than an engine's pool; with events on, the connector reports it beside vLLM's ow
 * `BlockRemoved` (same medium and ownership) once it left the CPU tier: evicted,
   removed, or lost with a CPU store (when the manager's log cannot say what changed, the
   connector compares what it reported with the CPU tier's keys, `KVCache.cpu_keys`).
-  Chunks only a lower tier (disk, remote) holds are not advertised: they load slower, and a router that counted them as cached would
-  overrate the replica.
+  Chunks only a lower tier (disk, remote) holds are not advertised: they load slower,
+  and a router that counted them as cached would overrate the replica.
 
 Who advertises a shared chunk: only the engine that stored it (only it knows its blocks'
 token ids and parents). Every replica of the namespace can load it, so a router reading
