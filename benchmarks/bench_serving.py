@@ -37,9 +37,10 @@ reused across repeats): multi-round QA (`mrqa`), long-document QA in tile and ra
 order (`docqa`, `docqa-random`), vLLM's `prefix_repetition` shape (`prefix`), no reuse
 (`random`). Closed loop at `--concurrency` (or open loop at `--rate` requests/s).
 
-Reported per arm and workload, min / median / max over repeats: TTFT p50/p90/p99 (and
-for hits and misses, by round), inter-token p50/p99, requests/s and prompt tokens/s,
-prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
+Reported per arm and workload, min / median / max over repeats: TTFT p50/p90/p99, TTFT
+p50 of hits (a chunk or more of the prompt cached, vLLM-local or raykv) and of misses
+with the share of hits, TTFT p50 by round (`mrqa`), inter-token p50/p99, requests/s and
+prompt tokens/s, prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
 `prompt_tokens_cached_by_source`, which raykv's connector fills), raykv's hit tokens that
 another engine stored (the connector's `raykv_hit_tokens_by_filler`: with two replicas,
 what one took from the other through the shared tier), the engine steps a request
@@ -524,6 +525,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     mmm([r["ttft_p50"] for r in runs], 1e3, ".0f"),
                     mmm([r["ttft_p90"] for r in runs], 1e3, ".0f"),
                     mmm([r["ttft_p99"] for r in runs], 1e3, ".0f"),
+                    mmm([r["ttft_hit_p50"] for r in runs], 1e3, ".0f"),
+                    mmm([r["ttft_miss_p50"] for r in runs], 1e3, ".0f"),
+                    mmm([r["hit_requests"] / max(1, r["requests"]) for r in runs], 100, ".0f"),
                     mmm([r["itl_p50"] for r in runs], 1e3, ".1f"),
                     mmm([r["itl_p99"] for r in runs], 1e3, ".0f"),
                     mmm(
@@ -572,6 +576,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 "TTFT p50 ms",
                 "p90",
                 "p99",
+                "TTFT p50 hits ms",
+                "misses ms",
+                "hit req %",
                 "ITL p50 ms",
                 "p99",
                 "cached %",
