@@ -39,20 +39,22 @@ order (`docqa`, `docqa-random`), vLLM's `prefix_repetition` shape (`prefix`), no
 
 Reported per arm and workload, min / median / max over repeats: TTFT p50/p90/p99, TTFT
 p50 of hits (a chunk or more of the prompt cached, vLLM-local or raykv) and of misses
-with the share of hits, TTFT p50 by round (`mrqa`), inter-token p50/p99, requests/s and
-prompt tokens/s, prompt tokens served from cache (vLLM-local vs raykv by tier, from vLLM's own
-`prompt_tokens_cached_by_source`, which raykv's connector fills), raykv's hit tokens that
-another engine stored (the connector's `raykv_hit_tokens_by_filler`: with two replicas,
-what one took from the other through the shared tier), the engine steps a request
-waited on raykv, per request (`raykv_connector_waits`: its lookup not back within the
-step's `lookup_wait_ms`, or another request's load of the same blocks), raykv hit tokens
-whose load failed (vLLM recomputed them), CPU-seconds per request
-of the engine processes, the Serve replicas and raykv's actors, and peak RSS and
-object-store bytes. `--soak` runs multi-round QA with new users for MINUTES on the `B`
-engine with a small CPU tier and Redis below it, kills the CPU store for good at a third
-of the run and stops Redis at two thirds (restarted 30 s later), and samples every
-process's RSS and the object store each minute; `--soak-arm A` runs the same load on
-plain vLLM (no raykv, no faults), the control that says whose memory grows.
+with the share of hits, TTFT p50 by round (`mrqa`), vLLM's mean time per request in its
+waiting queue and from first scheduled to first token (its own histograms), inter-token
+p50/p99, requests/s and prompt tokens/s, prompt tokens served from cache (vLLM-local vs
+raykv by tier, from vLLM's own `prompt_tokens_cached_by_source`, which raykv's connector
+fills), raykv's hit tokens that another engine stored (the connector's
+`raykv_hit_tokens_by_filler`: with two replicas, what one took from the other through
+the shared tier), the engine steps a request waited on raykv, per request
+(`raykv_connector_waits`: its lookup not back within the step's `lookup_wait_ms`, or
+another request's load of the same blocks), raykv hit tokens whose load failed (vLLM
+recomputed them), CPU-seconds per request of the engine processes, the Serve replicas
+and raykv's actors, and peak RSS and object-store bytes. `--soak` runs multi-round QA
+with new users for MINUTES on the `B` engine with a small CPU tier and Redis below it,
+kills the CPU store for good at a third of the run and stops Redis at two thirds
+(restarted 30 s later), and samples every process's RSS and the object store each
+minute; `--soak-arm A` runs the same load on plain vLLM (no raykv, no faults), the
+control that says whose memory grows.
 """
 
 from __future__ import annotations
@@ -356,6 +358,16 @@ RAYKV_COUNTERS = (
 )
 
 
+# vLLM's per-request phases (its histograms' sums and count, summed over replicas): the
+# time in the waiting queue (a request whose raykv lookup is not back waits there) and
+# from first scheduled to first token (its prefill steps, loads in them included).
+VLLM_TIMES = (
+    ("request_queue_time_seconds_sum", "vllm:queue_s"),
+    ("request_prefill_time_seconds_sum", "vllm:prefill_s"),
+    ("request_prefill_time_seconds_count", "vllm:timed"),
+)
+
+
 def hit_sources(metrics_port: int) -> dict[str, float]:
     """vLLM's cached prompt tokens by source, summed over replicas (Ray's metrics), and
     raykv's connector counters (`RAYKV_COUNTERS`): its hit tokens by who stored them
@@ -369,6 +381,9 @@ def hit_sources(metrics_port: int) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
+        for metric, key in VLLM_TIMES:
+            if metric in line and not line.startswith("#"):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         if "prompt_tokens_cached_by_source" in line and not line.startswith("#"):
             m = re.search(r'source="([^"]+)"', line)
             if m:
@@ -495,6 +510,12 @@ def mmm(values: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
     return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
 
 
+def per_request(sources: dict[str, float], key: str) -> float:
+    """vLLM's mean seconds per request in one phase (`VLLM_TIMES`); NaN if not exported."""
+    timed = sources.get("vllm:timed", 0.0)
+    return sources.get(key, NAN) / timed if timed > 0 else NAN
+
+
 def figure(results: dict, arm: str, workload: str, key: str) -> float:
     runs = results.get("arms", {}).get(arm, {}).get(workload, [])
     return med([r[key] for r in runs])
@@ -518,6 +539,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
             waits = lambda k: mmm(  # noqa: E731
                 [r["sources"].get(k, 0.0) / max(1, r["requests"]) for r in runs], 1, ".2f"
             )
+            phase = lambda k: mmm([per_request(r["sources"], k) for r in runs], 1e3, ".0f")  # noqa: E731
             rows.append(
                 [
                     arm,
@@ -528,6 +550,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     mmm([r["ttft_hit_p50"] for r in runs], 1e3, ".0f"),
                     mmm([r["ttft_miss_p50"] for r in runs], 1e3, ".0f"),
                     mmm([r["hit_requests"] / max(1, r["requests"]) for r in runs], 100, ".0f"),
+                    phase("vllm:queue_s"),
+                    phase("vllm:prefill_s"),
                     mmm([r["itl_p50"] for r in runs], 1e3, ".1f"),
                     mmm([r["itl_p99"] for r in runs], 1e3, ".0f"),
                     mmm(
@@ -579,6 +603,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                 "TTFT p50 hits ms",
                 "misses ms",
                 "hit req %",
+                "vLLM queued ms/req",
+                "prefill ms/req",
                 "ITL p50 ms",
                 "p99",
                 "cached %",
