@@ -177,9 +177,12 @@ def llm_config(
         "seed": 0,
     }
     if tier is not None:
+        traced = bool(getattr(args, "step_trace", None))
         engine["kv_transfer_config"] = {
-            "kv_connector": "RayKVConnector",
-            "kv_connector_module_path": "raykv.integrations.vllm",
+            "kv_connector": "TracingConnector" if traced else "RayKVConnector",
+            "kv_connector_module_path": (
+                "benchmarks.step_trace" if traced else "raykv.integrations.vllm"
+            ),
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
@@ -197,6 +200,13 @@ def llm_config(
         cfg = raykv.RayKVConfig(chunk_size=CHUNK, namespace=namespace or "bench-no-raykv")
         options = {"tokenizer": model} if router == "cache_aware" else None
         deployment["request_router_config"] = router_config(router, cfg, options=options)
+    env_vars = {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}
+    if tier is not None and getattr(args, "step_trace", None):  # from this checkout
+        from benchmarks.step_trace import ENV
+
+        Path(args.step_trace).mkdir(parents=True, exist_ok=True)
+        env_vars[ENV] = str(Path(args.step_trace).resolve() / arm)
+        env_vars["PYTHONPATH"] = str(ROOT)
     return LLMConfig(
         model_loading_config={"model_id": MODEL_ID, "model_source": model},
         engine_kwargs=engine,
@@ -204,7 +214,7 @@ def llm_config(
         deployment_config=deployment,
         experimental_configs={"stream_batching_interval_ms": 0},
         log_engine_metrics=True,
-        runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}},
+        runtime_env={"env_vars": env_vars},
     )
 
 
@@ -814,6 +824,11 @@ def main() -> None:
         "--no-other", action="store_true", help="skip (E): trying the other connectors"
     )
     parser.add_argument("--json", help="write the summary (rows, goals, plots) here")
+    parser.add_argument(
+        "--step-trace",
+        metavar="DIR",
+        help="raykv arms trace their scheduler steps to DIR (python -m benchmarks.step_trace DIR)",
+    )
     args = parser.parse_args()
     args.sweep = sorted(float(r) for r in args.sweep.split(",") if r)
     args.shape = loadgen.Shape.quick() if args.quick else loadgen.Shape()

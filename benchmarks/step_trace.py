@@ -1,0 +1,123 @@
+"""Where a request's time-to-first-token goes, step by step (`bench_serving --step-trace DIR`).
+
+`TracingConnector` is raykv's vLLM connector that also writes, from the scheduler's
+process, one JSON line per scheduler step (when it was built, the tokens each request
+got in it, the loads it carries) and one when it first sees a request, to
+`DIR/<arm>-<pid>.jsonl`. Read them with
+
+    python -m benchmarks.step_trace DIR
+
+which prints, per arm, for hits and misses apart (a request's first scheduled step
+computes fewer than `--hit-below` of its tokens: the rest was cached): the time from
+first seen to its first scheduled step, the length of that step (to the next step's
+start), the tokens that step computed, and how many requests started in it. A debugging
+aid for the benchmark, not part of raykv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from raykv.integrations.vllm import RayKVConnector
+
+ENV = "RAYKV_BENCH_STEP_TRACE"  # the file prefix, DIR/<arm>; set per arm by bench_serving
+
+
+class TracingConnector(RayKVConnector):
+    """`RayKVConnector` + the scheduler's step trace (only where `ENV` is set)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        prefix = os.environ.get(ENV)
+        self._trace = None
+        self._seen: set[str] = set()
+        if prefix and role == KVConnectorRole.SCHEDULER:
+            self._trace = open(f"{prefix}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self._trace is not None and not self._trace.closed:
+            self._trace.write(json.dumps(record) + "\n")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        got = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._trace is not None and request.request_id not in self._seen:
+            self._seen.add(request.request_id)
+            self._log(
+                {
+                    "ev": "seen",
+                    "t": time.monotonic(),
+                    "id": request.request_id,
+                    "prompt": request.num_tokens,
+                    "local": num_computed_tokens,
+                }
+            )
+        return got
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self._trace is not None:
+            self._log(
+                {
+                    "ev": "step",
+                    "t": time.monotonic(),
+                    "tokens": dict(scheduler_output.num_scheduled_tokens),
+                    "new": [r.req_id for r in scheduler_output.scheduled_new_reqs],
+                    "loads": [[s.req_id, s.end - s.start, s.sync] for s in self._pending_loads],
+                }
+            )
+        return super().build_connector_meta(scheduler_output)
+
+
+def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
+    """{"hit"|"miss": {figure: values}} for one trace file."""
+    seen: dict[str, float] = {}
+    prompts: dict[str, int] = {}
+    steps: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["ev"] == "seen":
+            seen.setdefault(rec["id"], rec["t"])
+            prompts[rec["id"]] = rec["prompt"]
+        else:
+            steps.append(rec)
+    out: dict[str, dict[str, list[float]]] = {"hit": {}, "miss": {}}
+    started: set[str] = set()
+    for i, step in enumerate(steps[:-1]):
+        length = steps[i + 1]["t"] - step["t"]
+        fresh = [r for r in step["tokens"] if r not in started and r in seen]
+        for req in fresh:
+            started.add(req)
+            kind = "hit" if step["tokens"][req] < hit_below else "miss"
+            figures = out[kind]
+            figures.setdefault("wait ms", []).append((step["t"] - seen[req]) * 1e3)
+            figures.setdefault("first step ms", []).append(length * 1e3)
+            figures.setdefault("tokens in that step", []).append(sum(step["tokens"].values()))
+            figures.setdefault("requests starting with it", []).append(len(fresh))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--hit-below", type=int, default=1024)
+    args = parser.parse_args()
+    for path in sorted(args.dir.glob("*.jsonl")):
+        print(f"\n{path.name}")
+        for kind, figures in analyse(path, args.hit_below).items():
+            n = len(next(iter(figures.values()), []))
+            cells = ", ".join(
+                f"{name} p50 {statistics.median(v):.0f} / mean {statistics.fmean(v):.0f}"
+                for name, v in figures.items()
+            )
+            print(f"  {kind} ({n}): {cells}")
+
+
+if __name__ == "__main__":
+    main()
