@@ -371,6 +371,9 @@ RAYKV_COUNTERS = (
 # vLLM's per-request phases (its histograms' sums and count, summed over replicas): the
 # time in the waiting queue (a request whose raykv lookup is not back waits there) and
 # from first scheduled to first token (its prefill steps, loads in them included).
+# Coarse: Ray exports a histogram's sum from its bucket midpoints (vLLM's buckets are
+# 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5 s...: every queue wait under 0.3 s counts 0.15 s), so
+# these compare arms' shifts, not absolute times.
 VLLM_TIMES = (
     ("request_queue_time_seconds_sum", "vllm:queue_s"),
     ("request_prefill_time_seconds_sum", "vllm:prefill_s"),

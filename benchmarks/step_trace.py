@@ -9,7 +9,9 @@ got in it, the loads it carries) and one when it first sees a request, to
 
 which prints, per arm, for hits and misses apart (a request's first scheduled step
 computes fewer than `--hit-below` of its tokens: the rest was cached): the time from
-first seen to its first scheduled step, the length of that step (to the next step's
+its arrival at the engine's frontend to the scheduler's first look at it (the step in
+progress, then any step whose budget running requests used up), from there to its
+first scheduled step (raykv's lookup, vLLM's queue), the length of that step (to the next step's
 start), the tokens that step computed, and how many requests started in it. A debugging
 aid for the benchmark, not part of raykv.
 """
@@ -53,7 +55,8 @@ class TracingConnector(RayKVConnector):
             self._log(
                 {
                     "ev": "seen",
-                    "t": time.monotonic(),
+                    "t": time.time(),
+                    "arrival": getattr(request, "arrival_time", None),  # frontend, time.time()
                     "id": request.request_id,
                     "prompt": request.num_tokens,
                     "local": num_computed_tokens,
@@ -66,7 +69,7 @@ class TracingConnector(RayKVConnector):
             self._log(
                 {
                     "ev": "step",
-                    "t": time.monotonic(),
+                    "t": time.time(),
                     "tokens": dict(scheduler_output.num_scheduled_tokens),
                     "new": [r.req_id for r in scheduler_output.scheduled_new_reqs],
                     "loads": [[s.req_id, s.end - s.start, s.sync] for s in self._pending_loads],
@@ -78,12 +81,15 @@ class TracingConnector(RayKVConnector):
 def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
     """{"hit"|"miss": {figure: values}} for one trace file."""
     seen: dict[str, float] = {}
+    arrived: dict[str, float] = {}  # when the engine's frontend took the request
     prompts: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec["ev"] == "seen":
             seen.setdefault(rec["id"], rec["t"])
+            if rec.get("arrival"):
+                arrived.setdefault(rec["id"], rec["arrival"])
             prompts[rec["id"]] = rec["prompt"]
         else:
             steps.append(rec)
@@ -96,7 +102,11 @@ def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
             started.add(req)
             kind = "hit" if step["tokens"][req] < hit_below else "miss"
             figures = out[kind]
-            figures.setdefault("wait ms", []).append((step["t"] - seen[req]) * 1e3)
+            if req in arrived:
+                figures.setdefault("arrival to seen ms", []).append(
+                    (seen[req] - arrived[req]) * 1e3
+                )
+            figures.setdefault("seen to scheduled ms", []).append((step["t"] - seen[req]) * 1e3)
             figures.setdefault("first step ms", []).append(length * 1e3)
             figures.setdefault("tokens in that step", []).append(sum(step["tokens"].values()))
             figures.setdefault("requests starting with it", []).append(len(fresh))
