@@ -7,8 +7,9 @@ got in it, the loads it carries) and one when it first sees a request, to
 
     python -m benchmarks.step_trace DIR
 
-which prints, per arm, for hits and misses apart (a request's first scheduled step
-computes fewer than `--hit-below` of its tokens: the rest was cached): the time from
+which prints, per arm, for raykv hits (loaded by the connector), vLLM-local hits and
+misses apart (a hit's first scheduled step computes fewer than `--hit-below` of its
+tokens: the rest was cached): the time from
 its arrival at the engine's frontend to the scheduler's first look at it (the step in
 progress, then any step whose budget running requests used up), from there to its
 first scheduled step (raykv's lookup, vLLM's queue), the length of that step (to the next step's
@@ -93,14 +94,18 @@ def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
             prompts[rec["id"]] = rec["prompt"]
         else:
             steps.append(rec)
-    out: dict[str, dict[str, list[float]]] = {"hit": {}, "miss": {}}
+    loaded = {load[0] for step in steps for load in step["loads"]}  # raykv hits
+    out: dict[str, dict[str, list[float]]] = {"raykv hit": {}, "vLLM-local hit": {}, "miss": {}}
     started: set[str] = set()
     for i, step in enumerate(steps[:-1]):
         length = steps[i + 1]["t"] - step["t"]
         fresh = [r for r in step["tokens"] if r not in started and r in seen]
         for req in fresh:
             started.add(req)
-            kind = "hit" if step["tokens"][req] < hit_below else "miss"
+            if step["tokens"][req] >= hit_below:
+                kind = "miss"
+            else:
+                kind = "raykv hit" if req in loaded else "vLLM-local hit"
             figures = out[kind]
             if req in arrived:
                 figures.setdefault("arrival to seen ms", []).append(

@@ -36,7 +36,8 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
         ],
     )
     got = analyse(trace, hit_below=1024)
-    miss, hit = got["miss"], got["hit"]
+    miss, hit = got["miss"], got["raykv hit"]
+    assert got["vLLM-local hit"] == {}
     assert miss["arrival to seen ms"] == pytest.approx([500.0])
     assert miss["seen to scheduled ms"] == pytest.approx([100.0])
     assert miss["first step ms"] == pytest.approx([1600.0])
@@ -59,6 +60,6 @@ def test_a_request_counts_once_at_its_first_step_and_old_traces_have_no_arrival(
         ],
     )
     got = analyse(trace, hit_below=1024)
-    assert got["miss"] == {}
-    assert got["hit"]["first step ms"] == pytest.approx([200.0])
-    assert "arrival to seen ms" not in got["hit"]  # an old trace without arrivals
+    assert got["miss"] == {} and got["raykv hit"] == {}  # no load: vLLM's own cache had it
+    assert got["vLLM-local hit"]["first step ms"] == pytest.approx([200.0])
+    assert "arrival to seen ms" not in got["vLLM-local hit"]  # an old trace: no arrivals
