@@ -193,6 +193,12 @@ def llm_config(
                 **ARM_SETTINGS.get(arm, {}),
             },
         }
+    elif getattr(args, "step_trace", None):  # an arm without raykv, traced all the same
+        engine["kv_transfer_config"] = {
+            "kv_connector": "TraceOnlyConnector",
+            "kv_connector_module_path": "benchmarks.step_trace",
+            "kv_role": "kv_both",
+        }
     deployment: dict[str, Any] = {"num_replicas": replicas}
     if replicas > 1:
         # The router's key fields (the namespace matters only to CacheAwareRouter's
@@ -201,7 +207,7 @@ def llm_config(
         options = {"tokenizer": model} if router == "cache_aware" else None
         deployment["request_router_config"] = router_config(router, cfg, options=options)
     env_vars = {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}
-    if tier is not None and getattr(args, "step_trace", None):  # from this checkout
+    if getattr(args, "step_trace", None):  # benchmarks.step_trace, from this checkout
         from benchmarks.step_trace import ENV
 
         Path(args.step_trace).mkdir(parents=True, exist_ok=True)
@@ -830,7 +836,8 @@ def main() -> None:
     parser.add_argument(
         "--step-trace",
         metavar="DIR",
-        help="raykv arms trace their scheduler steps to DIR (python -m benchmarks.step_trace DIR)",
+        help="trace every arm's scheduler steps to DIR (python -m benchmarks.step_trace DIR);"
+        " arms without raykv get a connector that only traces",
     )
     args = parser.parse_args()
     args.sweep = sorted(float(r) for r in args.sweep.split(",") if r)

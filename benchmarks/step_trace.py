@@ -27,33 +27,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 from raykv.integrations.vllm import RayKVConnector
 
 ENV = "RAYKV_BENCH_STEP_TRACE"  # the file prefix, DIR/<arm>; set per arm by bench_serving
 
 
-class TracingConnector(RayKVConnector):
-    """`RayKVConnector` + the scheduler's step trace (only where `ENV` is set)."""
+class _Trace:
+    """The scheduler's trace file (None where `ENV` is not set or on a worker)."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+    def __init__(self, role: Any) -> None:
         prefix = os.environ.get(ENV)
-        self._trace = None
-        self._seen: set[str] = set()
+        self.file = None
+        self.seen: set[str] = set()
         if prefix and role == KVConnectorRole.SCHEDULER:
-            self._trace = open(f"{prefix}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+            self.file = open(f"{prefix}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
 
-    def _log(self, record: dict[str, Any]) -> None:
-        if self._trace is not None and not self._trace.closed:
-            self._trace.write(json.dumps(record) + "\n")
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None and not self.file.closed:
+            self.file.write(json.dumps(record) + "\n")
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        got = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if self._trace is not None and request.request_id not in self._seen:
-            self._seen.add(request.request_id)
-            self._log(
+    def request(self, request: Any, num_computed_tokens: int) -> None:
+        if self.file is not None and request.request_id not in self.seen:
+            self.seen.add(request.request_id)
+            self.write(
                 {
                     "ev": "seen",
                     "t": time.time(),
@@ -63,20 +65,69 @@ class TracingConnector(RayKVConnector):
                     "local": num_computed_tokens,
                 }
             )
-        return got
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        if self._trace is not None:
-            self._log(
+    def step(self, scheduler_output: Any, loads: list[Any]) -> None:
+        if self.file is not None:
+            self.write(
                 {
                     "ev": "step",
                     "t": time.time(),
                     "tokens": dict(scheduler_output.num_scheduled_tokens),
                     "new": [r.req_id for r in scheduler_output.scheduled_new_reqs],
-                    "loads": [[s.req_id, s.end - s.start, s.sync] for s in self._pending_loads],
+                    "loads": [[s.req_id, s.end - s.start, s.sync] for s in loads],
                 }
             )
+
+
+class TracingConnector(RayKVConnector):
+    """`RayKVConnector` + the scheduler's step trace (only where `ENV` is set)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._trace = _Trace(role)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        got = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._trace.request(request, num_computed_tokens)
+        return got
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._trace.step(scheduler_output, self._pending_loads)
         return super().build_connector_meta(scheduler_output)
+
+
+class TraceOnlyConnector(KVConnectorBase_V1):
+    """A connector that only traces (arms without raykv: `A`, `A+`): no hit, no load, no
+    save, so vLLM schedules as without a connector."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._trace = _Trace(role)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        self._trace.request(request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self._trace.step(scheduler_output, [])
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
 
 
 def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:

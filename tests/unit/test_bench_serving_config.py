@@ -34,6 +34,29 @@ def test_every_arm_builds_its_config(arm: str, monkeypatch: pytest.MonkeyPatch) 
     assert cfg.deployment_config["num_replicas"] == replicas
 
 
+@pytest.mark.parametrize("arm", ["A+", "B"])
+def test_a_step_trace_traces_every_arm_and_gives_raykv_only_to_raykv_arms(
+    arm: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    import ray
+
+    from benchmarks.step_trace import ENV
+
+    monkeypatch.setattr(
+        ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:1")
+    )
+    args = argparse.Namespace(
+        pool_mib=48, tier_mib=256, engine_cores="0", disk_dir="/tmp/x", step_trace=str(tmp_path)
+    )
+    cfg = bs.llm_config(arm, "/models/m", "ns" if bs.ARMS[arm][2] else "", args, "redis://h:1/0")
+    transfer = cfg.engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_connector_module_path"] == "benchmarks.step_trace"
+    raykv_on = bs.ARMS[arm][2] is not None
+    assert transfer["kv_connector"] == ("TracingConnector" if raykv_on else "TraceOnlyConnector")
+    assert ("kv_connector_extra_config" in transfer) == raykv_on
+    assert cfg.runtime_env["env_vars"][ENV] == str(tmp_path / arm)
+
+
 def test_the_sweep_finds_each_arms_highest_rate_under_twice_as_unloaded_p99() -> None:
     from benchmarks._util import Summary
     from benchmarks.serving_sweep import highest_rate, report_sweep
