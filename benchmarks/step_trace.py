@@ -52,8 +52,12 @@ class _Trace:
         if self.file is not None and not self.file.closed:
             self.file.write(json.dumps(record) + "\n")
 
-    def request(self, request: Any, num_computed_tokens: int) -> None:
-        if self.file is not None and request.request_id not in self.seen:
+    def request(self, request: Any, num_computed_tokens: int, answer: Any) -> None:
+        if self.file is not None and request.request_id in self.seen:
+            # asked again: not scheduled last time (its lookup not back, no free blocks
+            # for it, or the step's token budget spent)
+            self.write({"ev": "ask", "id": request.request_id, "answer": answer[0]})
+        elif self.file is not None:
             self.seen.add(request.request_id)
             self.write(
                 {
@@ -88,7 +92,7 @@ class TracingConnector(RayKVConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         got = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._trace.request(request, num_computed_tokens)
+        self._trace.request(request, num_computed_tokens, got)
         return got
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -105,7 +109,7 @@ class TraceOnlyConnector(KVConnectorBase_V1):
         self._trace = _Trace(role)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        self._trace.request(request, num_computed_tokens)
+        self._trace.request(request, num_computed_tokens, (0, False))
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -134,17 +138,25 @@ def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
     """{"hit"|"miss": {figure: values}} for one trace file."""
     seen: dict[str, float] = {}
     arrived: dict[str, float] = {}  # when the engine's frontend took the request
-    prompts: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
+    # Asked again before its first step: answered (a hit or a miss) but not scheduled
+    # (no free blocks for it, or the step's token budget spent), or still waiting for
+    # its lookup (answer None).
+    refused: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    running: set[str] = set()
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if rec["ev"] == "seen":
+        if rec["ev"] == "ask" and rec["id"] not in running:
+            into = waiting if rec["answer"] is None else refused
+            into[rec["id"]] = into.get(rec["id"], 0) + 1
+        elif rec["ev"] == "seen":
             seen.setdefault(rec["id"], rec["t"])
             if rec.get("arrival"):
                 arrived.setdefault(rec["id"], rec["arrival"])
-            prompts[rec["id"]] = rec["prompt"]
-        else:
+        elif rec["ev"] == "step":
             steps.append(rec)
+            running.update(rec["tokens"])
     loaded = {load[0] for step in steps for load in step["loads"]}  # raykv hits
     out: dict[str, dict[str, list[float]]] = {"raykv hit": {}, "vLLM-local hit": {}, "miss": {}}
     started: set[str] = set()
@@ -163,6 +175,8 @@ def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
                     (seen[req] - arrived[req]) * 1e3
                 )
             figures.setdefault("seen to scheduled ms", []).append((step["t"] - seen[req]) * 1e3)
+            figures.setdefault("asks answered, not scheduled", []).append(refused.get(req, 0))
+            figures.setdefault("asks while looking up", []).append(waiting.get(req, 0))
             figures.setdefault("first step ms", []).append(length * 1e3)
             figures.setdefault("tokens in that step", []).append(sum(step["tokens"].values()))
             figures.setdefault("requests starting with it", []).append(len(fresh))
@@ -179,7 +193,7 @@ def main() -> None:
         for kind, figures in analyse(path, args.hit_below).items():
             n = len(next(iter(figures.values()), []))
             cells = ", ".join(
-                f"{name} p50 {statistics.median(v):.0f} / mean {statistics.fmean(v):.0f}"
+                f"{name} p50 {statistics.median(v):.0f} / mean {statistics.fmean(v):.1f}"
                 for name, v in figures.items()
             )
             print(f"  {kind} ({n}): {cells}")

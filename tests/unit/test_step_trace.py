@@ -23,7 +23,10 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
         [
             {"ev": "seen", "t": 10.0, "arrival": 9.5, "id": "miss", "prompt": 2176, "local": 0},
             {"ev": "step", "t": 10.1, "tokens": {"miss": 2048}, "new": ["miss"], "loads": []},
-            {"ev": "seen", "t": 11.7, "arrival": 10.2, "id": "hit", "prompt": 2176, "local": 0},
+            {"ev": "seen", "t": 11.5, "arrival": 10.2, "id": "hit", "prompt": 2176, "local": 0},
+            {"ev": "ask", "id": "hit", "answer": None},  # its lookup not back
+            {"ev": "ask", "id": "hit", "answer": 2047},  # a hit, but no room for it
+            {"ev": "ask", "id": "hit", "answer": 2047},
             {
                 "ev": "step",
                 "t": 11.7,
@@ -32,6 +35,7 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
                 "loads": [["hit", 2047, True]],
             },
             {"ev": "step", "t": 11.9, "tokens": {"miss": 1, "hit": 1}, "new": [], "loads": []},
+            {"ev": "ask", "id": "hit", "answer": 0},  # preempted and back: not counted
             {"ev": "step", "t": 12.0, "tokens": {}, "new": [], "loads": []},
         ],
     )
@@ -43,8 +47,10 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
     assert miss["first step ms"] == pytest.approx([1600.0])
     assert miss["tokens in that step"] == [2048]
     # the hit arrived during the miss's long step: that wait is before the scheduler saw it
-    assert hit["arrival to seen ms"] == pytest.approx([1500.0])
-    assert hit["seen to scheduled ms"] == pytest.approx([0.0])
+    assert hit["arrival to seen ms"] == pytest.approx([1300.0])
+    assert hit["seen to scheduled ms"] == pytest.approx([200.0])
+    assert hit["asks while looking up"] == [1] and hit["asks answered, not scheduled"] == [2]
+    assert miss["asks while looking up"] == [0] and miss["asks answered, not scheduled"] == [0]
     assert hit["first step ms"] == pytest.approx([200.0])
     assert hit["tokens in that step"] == [257] and hit["requests starting with it"] == [1]
 
