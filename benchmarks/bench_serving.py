@@ -180,12 +180,12 @@ def llm_config(
         "enable_prompt_tokens_details": True,
         "seed": 0,
     }
+    trace_dir = getattr(args, "step_trace", None)  # benchmarks.step_trace, this checkout's
     if tier is not None:
-        traced = bool(getattr(args, "step_trace", None))
         engine["kv_transfer_config"] = {
-            "kv_connector": "TracingConnector" if traced else "RayKVConnector",
+            "kv_connector": "TracingConnector" if trace_dir else "RayKVConnector",
             "kv_connector_module_path": (
-                "benchmarks.step_trace" if traced else "raykv.integrations.vllm"
+                "benchmarks.step_trace" if trace_dir else "raykv.integrations.vllm"
             ),
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
@@ -197,7 +197,7 @@ def llm_config(
                 **ARM_SETTINGS.get(arm, {}),
             },
         }
-    elif getattr(args, "step_trace", None):  # an arm without raykv, traced all the same
+    elif trace_dir:  # an arm without raykv, traced all the same
         engine["kv_transfer_config"] = {
             "kv_connector": "TraceOnlyConnector",
             "kv_connector_module_path": "benchmarks.step_trace",
@@ -211,11 +211,11 @@ def llm_config(
         options = {"tokenizer": model} if router == "cache_aware" else None
         deployment["request_router_config"] = router_config(router, cfg, options=options)
     env_vars = {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}
-    if getattr(args, "step_trace", None):  # benchmarks.step_trace, from this checkout
+    if trace_dir:
         from benchmarks.step_trace import ENV
 
-        Path(args.step_trace).mkdir(parents=True, exist_ok=True)
-        env_vars[ENV] = str(Path(args.step_trace).resolve() / arm)
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        env_vars[ENV] = str(Path(trace_dir).resolve() / arm)
         env_vars["PYTHONPATH"] = str(ROOT)
     return LLMConfig(
         model_loading_config={"model_id": MODEL_ID, "model_source": model},

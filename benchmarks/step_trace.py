@@ -2,17 +2,18 @@
 
 `TracingConnector` is raykv's vLLM connector that also writes, from the scheduler's
 process, one JSON line per scheduler step (when it was built, the tokens each request
-got in it, the loads it carries) and one when it first sees a request, to
-`DIR/<arm>-<pid>.jsonl`. Read them with
+got in it, the loads it carries) and one each time vLLM asks it about a waiting request
+(the first with the request's arrival), to `DIR/<arm>-<pid>.jsonl`;
+`TraceOnlyConnector` writes the same for arms without raykv. Read them with
 
     python -m benchmarks.step_trace DIR
 
 which prints, per arm, for raykv hits (loaded by the connector), vLLM-local hits and
 misses apart (a hit's first scheduled step computes fewer than `--hit-below` of its
-tokens: the rest was cached): the time from
-its arrival at the engine's frontend to the scheduler's first look at it (the step in
-progress, then any step whose budget running requests used up), from there to its
-first scheduled step (raykv's lookup, vLLM's queue), the length of that step (to the next step's
+tokens: the rest was cached): the time from its arrival at the engine's frontend to the
+scheduler's first look at it (the step in progress, then any step whose budget running
+requests used up), from there to its first scheduled step (raykv's lookup, vLLM's queue;
+how often it was asked again meanwhile), the length of that step (to the next step's
 start), the tokens that step computed, and how many requests started in it. A debugging
 aid for the benchmark, not part of raykv.
 """
@@ -53,11 +54,13 @@ class _Trace:
             self.file.write(json.dumps(record) + "\n")
 
     def request(self, request: Any, num_computed_tokens: int, answer: Any) -> None:
-        if self.file is not None and request.request_id in self.seen:
+        if self.file is None:
+            return
+        if request.request_id in self.seen:
             # asked again: not scheduled last time (its lookup not back, no free blocks
             # for it, or the step's token budget spent)
             self.write({"ev": "ask", "id": request.request_id, "answer": answer[0]})
-        elif self.file is not None:
+        else:
             self.seen.add(request.request_id)
             self.write(
                 {
@@ -77,7 +80,6 @@ class _Trace:
                     "ev": "step",
                     "t": time.time(),
                     "tokens": dict(scheduler_output.num_scheduled_tokens),
-                    "new": [r.req_id for r in scheduler_output.scheduled_new_reqs],
                     "loads": [[s.req_id, s.end - s.start, s.sync] for s in loads],
                 }
             )
@@ -135,7 +137,7 @@ class TraceOnlyConnector(KVConnectorBase_V1):
 
 
 def analyse(path: Path, hit_below: int) -> dict[str, dict[str, list[float]]]:
-    """{"hit"|"miss": {figure: values}} for one trace file."""
+    """{"raykv hit" | "vLLM-local hit" | "miss": {figure: values}} for one trace file."""
     seen: dict[str, float] = {}
     arrived: dict[str, float] = {}  # when the engine's frontend took the request
     steps: list[dict[str, Any]] = []

@@ -147,8 +147,7 @@ class KVEvents:
                     self._admitted(key)
                 else:
                     self._removed([key])
-            if len(self._held) > self._max_held:
-                self._removed(list(self._held)[: len(self._held) - self._max_held])
+            self._trim()
 
     def _resync(self, cursor: Any) -> None:
         """The log cannot say what changed (a CPU store restarted, the ring overflowed):
@@ -169,6 +168,12 @@ class KVEvents:
             self._removed([k for k in self._held if k not in held])
             for key in [k for k in self._planned if k in held]:
                 self._admitted(key)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Past `max_held`, report the oldest held chunks removed (under the lock)."""
+        if len(self._held) > self._max_held:
+            self._removed(list(self._held)[: len(self._held) - self._max_held])
 
     def _admitted(self, key: str) -> None:
         """Report a planned chunk the CPU tier took (under the lock)."""

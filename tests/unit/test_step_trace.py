@@ -22,7 +22,7 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
         tmp_path / "B-1.jsonl",
         [
             {"ev": "seen", "t": 10.0, "arrival": 9.5, "id": "miss", "prompt": 2176, "local": 0},
-            {"ev": "step", "t": 10.1, "tokens": {"miss": 2048}, "new": ["miss"], "loads": []},
+            {"ev": "step", "t": 10.1, "tokens": {"miss": 2048}, "loads": []},
             {"ev": "seen", "t": 11.5, "arrival": 10.2, "id": "hit", "prompt": 2176, "local": 0},
             {"ev": "ask", "id": "hit", "answer": None},  # its lookup not back
             {"ev": "ask", "id": "hit", "answer": 2047},  # a hit, but no room for it
@@ -31,12 +31,11 @@ def test_a_hit_and_a_miss_are_timed_from_arrival_to_their_first_step(tmp_path):
                 "ev": "step",
                 "t": 11.7,
                 "tokens": {"miss": 128, "hit": 129},
-                "new": ["hit"],
                 "loads": [["hit", 2047, True]],
             },
-            {"ev": "step", "t": 11.9, "tokens": {"miss": 1, "hit": 1}, "new": [], "loads": []},
+            {"ev": "step", "t": 11.9, "tokens": {"miss": 1, "hit": 1}, "loads": []},
             {"ev": "ask", "id": "hit", "answer": 0},  # preempted and back: not counted
-            {"ev": "step", "t": 12.0, "tokens": {}, "new": [], "loads": []},
+            {"ev": "step", "t": 12.0, "tokens": {}, "loads": []},
         ],
     )
     got = analyse(trace, hit_below=1024)
@@ -60,9 +59,9 @@ def test_a_request_counts_once_at_its_first_step_and_old_traces_have_no_arrival(
         tmp_path / "B-2.jsonl",
         [
             {"ev": "seen", "t": 1.0, "id": "a", "prompt": 300, "local": 0},
-            {"ev": "step", "t": 1.0, "tokens": {"a": 300}, "new": ["a"], "loads": []},
-            {"ev": "step", "t": 1.2, "tokens": {"a": 1}, "new": [], "loads": []},
-            {"ev": "step", "t": 1.3, "tokens": {}, "new": [], "loads": []},
+            {"ev": "step", "t": 1.0, "tokens": {"a": 300}, "loads": []},
+            {"ev": "step", "t": 1.2, "tokens": {"a": 1}, "loads": []},
+            {"ev": "step", "t": 1.3, "tokens": {}, "loads": []},
         ],
     )
     got = analyse(trace, hit_below=1024)
