@@ -37,7 +37,10 @@ Nothing holds the engine still (`load_mode: async`, the default):
   A hit of at most `sync_load_max_bytes` (32 MiB) is copied in its own step instead:
   that copy is a few milliseconds, and an async load costs the request a whole step.
 - save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
-  and the object-store put and manager call run on a saver thread.
+  and the object-store put and manager call run on a saver thread. With
+  `save_unfull_chunk`, a prompt's partial last chunk (to its last whole block) is saved
+  once the prompt is computed, and lookups answered from the view find it
+  (`tail_spans`): a chat's next turn loads its history to the block, not the chunk.
 - on CUDA (`PageConnector.load_batch`/`save_batch`): a load is one pinned host->device
   copy on a load stream per request, waited for by the loader thread (or, in-step, by
   the compute stream); a save gathers on a save stream into pinned buffers, the compute
@@ -71,7 +74,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,7 +101,10 @@ from raykv.integrations.vllm_meta import (
     Fillers,
     LoadSpec,
     RayKVConnectorMetadata,
+    RequestState,
     SaveSpec,
+    WorkerLoad,
+    chunk_ends,
     hit_source_split,
 )
 from raykv.integrations.vllm_setup import (
@@ -106,8 +112,11 @@ from raykv.integrations.vllm_setup import (
     block_nbytes,
     chunk_hashes,
     engine_layout,
+    prompt_tail,
     rank_spans,
     raykv_config,
+    tail_hash,
+    tail_spans,
     view_tiers,
     warn_other_layouts,
     worker_rank,
@@ -142,35 +151,6 @@ def _pinned(nbytes: int) -> np.ndarray:
     import torch
 
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-
-
-@dataclass(slots=True)
-class _Request:
-    """The scheduler's view of one request."""
-
-    request: Any  # vLLM's Request: its tokens and block hashes grow as it decodes
-    lookup_id: str
-    preemptions: int
-    lookup: Future | None = None  # the lookup in flight
-    deadline: float = 0.0  # when an unanswered lookup counts as a miss
-    hit: int = 0  # prefix tokens raykv holds (whole chunks), pinned in CPU until loaded
-    pinned: bool = False  # the manager holds a lookup record (pins) under lookup_id
-    local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
-    block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
-    sync_load: bool = False  # its load is copied in its step (sync mode, or a small hit)
-    sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
-    lower: bool = False  # answered from the view with chunks on disk: loaded async
-
-
-@dataclass(slots=True)
-class _Load:
-    """An asynchronous load on a worker: its spec, its loader thread's future (the block
-    ids it could not write) and a flag that stops it at the next chunk."""
-
-    spec: LoadSpec
-    future: Future
-    stop: threading.Event
 
 
 class RayKVConnector(KVConnectorBase_V1):
@@ -219,7 +199,7 @@ class RayKVConnector(KVConnectorBase_V1):
         attach_ray(config.ray_address)
         self._kv: KVCache = connect(config)
         # Scheduler side.
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._lookups: ThreadPoolExecutor | None = None
         self._lookups_in_flight = 0  # scheduler thread only
         self._wait_left = self.config.lookup_wait_ms / 1000.0  # this step's lookup wait
@@ -228,7 +208,7 @@ class RayKVConnector(KVConnectorBase_V1):
         # Worker side.
         self._pages: PageConnector | None = None
         self._load_errors: set[int] = set()
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, WorkerLoad] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._buffers = BufferPool(SAVE_POOL_BYTES)  # warm save buffers, under _pending_lock
@@ -238,7 +218,8 @@ class RayKVConnector(KVConnectorBase_V1):
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
-            warn_other_layouts(self._kv, config, engine_layout(vllm_config, kv_cache_config))
+            layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
+            warn_other_layouts(self._kv, config, layout)
             events = vllm_config.kv_events_config
             if self._keyed and events is not None and events.enable_kv_cache_events:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
@@ -246,6 +227,13 @@ class RayKVConnector(KVConnectorBase_V1):
             if self._keyed and (tiers := view_tiers(config)) is not None:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._view = CPUView(self._kv, identity, tiers)
+            elif config.save_unfull_chunk:
+                logger.warning(
+                    "raykv: save_unfull_chunk needs the scheduler's CPU view (lookup_view, one "
+                    "rank, local tiers only) to find partial chunks: none are stored"
+                )
+        # Prompts' partial last chunks are stored and found (`tail_spans`), scheduler side.
+        self._tails = config.save_unfull_chunk and self._view is not None
         # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
         # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
@@ -318,26 +306,35 @@ class RayKVConnector(KVConnectorBase_V1):
         nbytes = -(-n // self._block_size) * self._block_bytes
         return 0 < nbytes <= self.config.sync_load_max_bytes
 
-    def _lookup(self, request: Request, old: _Request | None) -> _Request:
+    def _lookup(self, request: Request, old: RequestState | None) -> RequestState:
         """Send the pinned lookup of `request` (a prefetch: chunks found below the CPU tier
         are promoted at once) to a lookup thread; `_answer` reads its reply."""
         if old is not None:  # preempted: its blocks are gone, look it up again
             self.lookups_after_preemption += 1
             self._release(old)
         lookup_id = f"vllm-{request.request_id}-{request.num_preemptions}-{uuid.uuid4().hex[:8]}"
-        state = _Request(request, lookup_id, request.num_preemptions)
+        state = RequestState(request, lookup_id, request.num_preemptions)
         self._requests[request.request_id] = state
         hashes = chunk_hashes(request, request.num_tokens, self._chunk, self._hash_block)
-        if not hashes:
+        if not hashes and not self._tails:
             return state  # shorter than a chunk: nothing to find
-        spans = rank_spans(self._kv, self._other_ranks, hashes, self._offsets(len(hashes)))
-        got = self._view.hit(spans) if self._view is not None else None
+        spans = rank_spans(
+            self._kv, self._other_ranks, hashes, chunk_ends(len(hashes), self._chunk)
+        )
+        tails = None  # the partial chunks that may follow the whole ones held
+        if self._tails:
+            sizes = dict(chunk=self._chunk, block=self._block_size, hash_block=self._hash_block)
+            tails = partial(tail_spans, self._kv, request, **sizes)
+        got = self._view.hit(spans, tails) if self._view is not None else None
         if got is not None:  # nothing pinned: the worker reads what the tiers hold then
             self.lookups_from_view += 1
             state.hit, state.sources = got
-            state.saved = state.hit
+            state.tail = state.hit if state.hit % self._chunk else 0
+            state.saved = state.hit - state.hit % self._chunk
             state.lower = any(tier != TIER_CPU for tier, _ in state.sources)
             return state
+        if not spans:
+            return state  # shorter than a chunk: only the view finds partial chunks
         if self._lookups_in_flight >= self.config.max_lookups_in_flight:
             self.lookups_refused += 1
             return state  # computed: a request is never held for a lookup slot
@@ -356,7 +353,7 @@ class RayKVConnector(KVConnectorBase_V1):
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []
 
-    def _wait_briefly(self, state: _Request) -> None:
+    def _wait_briefly(self, state: RequestState) -> None:
         """Give a lookup just sent the step's remaining `lookup_wait_ms` to come back: a
         local answer takes ~1-3 ms, and one answered now schedules the request in this
         step instead of the next (an engine step, up to a whole prefill, later). The
@@ -373,7 +370,7 @@ class RayKVConnector(KVConnectorBase_V1):
             pass
         self._wait_left -= time.monotonic() - t0
 
-    def _answer(self, state: _Request) -> int | None:
+    def _answer(self, state: RequestState) -> int | None:
         """The request's hit, or None while its lookup is in flight and not yet late."""
         fut = state.lookup
         if fut is None:
@@ -398,7 +395,7 @@ class RayKVConnector(KVConnectorBase_V1):
         state.saved = state.hit
         return state.hit
 
-    def _release(self, state: _Request) -> None:
+    def _release(self, state: RequestState) -> None:
         """Release what `state`'s lookup pinned, now or (in flight) when its reply comes."""
         fut, state.lookup = state.lookup, None
         if fut is not None:
@@ -416,9 +413,6 @@ class RayKVConnector(KVConnectorBase_V1):
                 self._kv.unpin(lookup_id, wait=False)
         except Exception as exc:  # the pin lease releases it
             logger.warning("raykv: releasing late lookup %s failed: %r", lookup_id, exc)
-
-    def _offsets(self, n: int) -> list[int]:
-        return [(i + 1) * self._chunk for i in range(n)]
 
     def _overlaps_a_load(self, request: Request, start: int, end: int) -> bool:
         """Whether another request is loading a chunk of [start, end) of `request` (it then
@@ -441,8 +435,12 @@ class RayKVConnector(KVConnectorBase_V1):
                 state.pinned = False
             return
         start, end = state.local, state.local + num_external_tokens
-        covered = -(-end // self._chunk) * self._chunk  # the whole chunks holding [start, end)
+        whole = state.tail - state.tail % self._chunk  # where a partial chunk hit starts
+        tail = state.tail if state.tail and end > whole else 0
+        covered = whole if tail else -(-end // self._chunk) * self._chunk  # the whole chunks
         hashes = chunk_hashes(request, covered, self._chunk, self._hash_block)
+        if tail:
+            hashes.append(tail_hash(request, tail, self._hash_block))
         state.block_ids = list(blocks.get_block_ids()[0])
         spec = LoadSpec(
             request.request_id,
@@ -452,6 +450,7 @@ class RayKVConnector(KVConnectorBase_V1):
             end,
             state.block_ids[: end // self._block_size],
             sync=state.sync_load,
+            tail=tail,
         )
         self._pending_loads.append(spec)
         self.fillers.hit(hashes, start, end)
@@ -511,7 +510,7 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def _plan_save(
         self,
-        state: _Request,
+        state: RequestState,
         req_id: str,
         num_computed: int,
         num_scheduled: dict[str, int],
@@ -526,13 +525,24 @@ class RayKVConnector(KVConnectorBase_V1):
             first = state.saved // self._chunk
             self.fillers.saved(hashes[first:])
             if self._events is not None or self._view is not None:
-                spans = self._kv.hashed_spans(hashes[first:], self._offsets(len(hashes))[first:])
+                spans = self._kv.hashed_spans(
+                    hashes[first:], chunk_ends(len(hashes), self._chunk)[first:]
+                )
                 keys = [s.key.chunk_hash for s in spans]
                 if self._events is not None:  # reported once the CPU tier has them
                     self._events.planned(state.request, keys, state.saved)
                 if self._view is not None:  # looked up, not guessed, until the tier has them
                     self._view.saving(keys)
             state.saved = end
+        if self._tails and not state.tail_saved and done >= state.request.num_prompt_tokens:
+            state.tail_saved = True  # once, when the prompt is computed: a chat's next turn
+            tail = prompt_tail(state.request, self._chunk, self._block_size, self._hash_block)
+            if tail > max(state.saved, state.hit):  # not held yet (as a hit or saved above)
+                n, key = tail // self._chunk, tail_hash(state.request, tail, self._hash_block)
+                blocks = state.block_ids[: tail // self._block_size]
+                spec = SaveSpec(req_id, [*hashes[:n], key], n * self._chunk, tail, blocks, tail)
+                meta.saves.append(spec)
+                self.fillers.saved([key])
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -584,7 +594,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 continue
             stop = threading.Event()
             future = self._loader.submit(self._load, spec, stop, time.perf_counter())
-            self._loads[spec.req_id] = _Load(spec, future, stop)
+            self._loads[spec.req_id] = WorkerLoad(spec, future, stop)
 
     def _load(
         self, spec: LoadSpec, stop: threading.Event | None, submitted: float | None = None
@@ -597,8 +607,8 @@ class RayKVConnector(KVConnectorBase_V1):
         submitted = time.perf_counter() if submitted is None else submitted
         deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
         try:
-            spans = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
-            spans = [s for s in spans if s.end > spec.start]
+            ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
+            spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
             parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
             for span, buf, meta in chunks:
@@ -690,7 +700,8 @@ class RayKVConnector(KVConnectorBase_V1):
         hold more than `MAX_PENDING_SAVE_BYTES` are dropped and counted, never waited for."""
         bs = self._block_size
         try:
-            every = self._kv.hashed_spans(spec.hashes, self._offsets(len(spec.hashes)))
+            ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
+            every = self._kv.hashed_spans(spec.hashes, ends)
         except InvalidInputError as exc:
             logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
             return 0

@@ -1,9 +1,12 @@
 """What the vLLM connector's scheduler side sends its workers each engine step (the loads
-and saves of the step: vLLM pickles the metadata to every worker), what it tells vLLM's
-stats of a hit (the tiers it came from), and who filled a hit (`Fillers`)."""
+and saves of the step: vLLM pickles the metadata to every worker), what it keeps of each
+request and load, what it tells vLLM's stats of a hit (the tiers it came from), and who
+filled a hit (`Fillers`)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +36,9 @@ _HIT_SOURCES: dict[str, Any] = (
 class LoadSpec:
     """Copy tokens [start, end) of a request from raykv into its blocks.
 
-    `hashes` are vLLM's block hashes at the ends of the whole chunks holding them (chunk i
-    ends at token (i + 1) * chunk_size), `block_ids` the request's blocks from token 0.
+    `hashes` are vLLM's block hashes at the ends of the chunks holding them (chunk i
+    ends at token (i + 1) * chunk_size; the last at `tail` when that is a partial chunk:
+    `chunk_ends`), `block_ids` the request's blocks from token 0.
     `sync`: copy before this step's forward pass (else on the loader thread).
     `lookup_id` names the lookup whose pins the read releases (None: answered from the
     scheduler's CPU view, nothing pinned)."""
@@ -46,11 +50,13 @@ class LoadSpec:
     end: int
     block_ids: list[int]
     sync: bool
+    tail: int = 0
 
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store the whole chunks of tokens [start, end) of a request (both chunk-aligned);
+    """Store the chunks of tokens [start, end) of a request (`start` chunk-aligned, `end`
+    too unless it is `tail`: a prompt's partial last chunk, `save_unfull_chunk`);
     `hashes` key every chunk of [0, end)."""
 
     req_id: str
@@ -58,6 +64,47 @@ class SaveSpec:
     start: int
     end: int
     block_ids: list[int]
+    tail: int = 0
+
+
+def chunk_ends(n: int, chunk: int, tail: int = 0) -> list[int]:
+    """Where each of `n` chunks from token 0 ends: at multiples of `chunk`, the last at
+    `tail` when it is a partial chunk (`tail` > 0)."""
+    ends = [(i + 1) * chunk for i in range(n)]
+    if tail and ends:
+        ends[-1] = tail
+    return ends
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The scheduler's view of one request."""
+
+    request: Any  # vLLM's Request: its tokens and block hashes grow as it decodes
+    lookup_id: str
+    preemptions: int
+    lookup: Future | None = None  # the lookup in flight
+    deadline: float = 0.0  # when an unanswered lookup counts as a miss
+    hit: int = 0  # prefix tokens raykv holds, pinned in CPU until loaded (if `pinned`)
+    pinned: bool = False  # the manager holds a lookup record (pins) under lookup_id
+    local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # tokens [0, saved) are in raykv (whole chunks)
+    sync_load: bool = False  # its load is copied in its step (sync mode, or a small hit)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
+    lower: bool = False  # answered from the view with chunks on disk: loaded async
+    tail: int = 0  # the hit ends in a partial chunk ending here (0: whole chunks)
+    tail_saved: bool = False  # its prompt's partial last chunk was planned for saving
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """An asynchronous load on a worker: its spec, its loader thread's future (the block
+    ids it could not write) and a flag that stops it at the next chunk."""
+
+    spec: LoadSpec
+    future: Future
+    stop: threading.Event
 
 
 @dataclass
@@ -173,7 +220,10 @@ __all__ = [
     "Fillers",
     "LoadSpec",
     "RayKVConnectorMetadata",
+    "RequestState",
     "SaveSpec",
     "WORKER_COUNTER_METRICS",
+    "WorkerLoad",
+    "chunk_ends",
     "hit_source_split",
 ]

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 # Folded into every key's model name: chunks keyed by an older scheme miss, never hit.
 # 2: chunk keys from vLLM's block hashes (LoRA, multimodal inputs, cache_salt folded in).
-KEY_VERSION = "keys-2"
+# 3: the chunk size folded in too: a key is a block hash at a chunk's end, and engines
+# cutting at other sizes (or a prompt's partial last chunk) end chunks at the same block.
+KEY_VERSION = "keys-3"
 _MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,6 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
             f"{block_size} (raykv loads and saves whole blocks)"
         )
-    if config.save_unfull_chunk:
-        raise ConfigError("save_unfull_chunk: true is not supported by the vLLM connector")
     dtype = str(spec.dtype).removeprefix("torch.")
     parallel = vllm_config.parallel_config
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -83,6 +83,7 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             getattr(kv_cache_config, "kv_cache_layout", None),
             type(spec).__name__,
             block_size,
+            config.chunk_size,
             spec.num_kv_heads,
             spec.head_size,
             getattr(spec, "head_size_v", spec.head_size),
@@ -115,7 +116,7 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
     return spec, len(groups[0].layer_names)
 
 
-def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> str:
     """What an engine's keys fold in, in words (for the log line that names an engine of
     another layout sharing a namespace, whose chunks this engine can never hit)."""
     spec, n_layers = _attention_spec(kv_cache_config)
@@ -124,7 +125,7 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> st
     return (
         f"{vllm_config.model_config.model}: TP={parallel.tensor_parallel_size} "
         f"PP={parallel.pipeline_parallel_size}, {_device_type()}, backend {backend}, "
-        f"block size {vllm_config.cache_config.block_size}, "
+        f"block size {vllm_config.cache_config.block_size}, chunk size {chunk_size}, "
         f"{str(spec.dtype).removeprefix('torch.')} KV, {n_layers} layers, {_vllm_version()}"
     )
 
@@ -190,6 +191,39 @@ def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> li
     return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
 
 
+def tail_spans(
+    kv: Any, request: Any, first: int, chunk: int, block: int, hash_block: int
+) -> list[ChunkSpan]:
+    """The partial chunks that may hold `request`'s prefix past its first `first` whole
+    chunks, longest first: [first * chunk, e) for each block end e inside chunk `first`
+    that vLLM could take as a hit (before the request's last token), keyed by vLLM's
+    block hash at e. `save_unfull_chunk` stores a prompt's partial last chunk so
+    (`prompt_tail`): the next turn of a chat, which extends that prompt, finds it."""
+    start = first * chunk
+    limit = min(
+        start + chunk - block,
+        (request.num_tokens - 1) // block * block,
+        len(request.block_hashes) * hash_block // block * block,
+    )
+    ends = list(range(start + block, limit + 1, block))
+    if not ends:
+        return []
+    hashes = [bytes(request.block_hashes[e // hash_block - 1]) for e in ends]
+    return [ChunkSpan(start, s.end, s.key) for s in reversed(kv.hashed_spans(hashes, ends))]
+
+
+def prompt_tail(request: Any, chunk: int, block: int, hash_block: int) -> int:
+    """Where the partial last chunk of `request`'s prompt ends (its last whole block), or
+    0 when the prompt has none (it ends within its first block after a chunk's end)."""
+    end = min(request.num_prompt_tokens, len(request.block_hashes) * hash_block) // block * block
+    return 0 if end % chunk == 0 else end
+
+
+def tail_hash(request: Any, end: int, hash_block: int) -> bytes:
+    """vLLM's block hash at token `end` (the key of a partial chunk ending there)."""
+    return bytes(request.block_hashes[end // hash_block - 1])
+
+
 def warn_other_layouts(kv: Any, config: RayKVConfig, layout: str) -> None:
     """Say so once at start when engines of another layout of this model (another TP
     size, backend, block size...: a cache-warming job, an older deployment) write to
@@ -251,6 +285,9 @@ __all__ = [
     "KEY_VERSION",
     "block_hashes_shared",
     "chunk_hashes",
+    "prompt_tail",
+    "tail_hash",
+    "tail_spans",
     "view_tiers",
     "rank_spans",
     "raykv_config",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from raykv import metrics
@@ -129,16 +130,28 @@ class CPUView:
             ):
                 del self._saving[next(iter(self._saving))]
 
-    def hit(self, spans: list[Any]) -> tuple[int, list[tuple[str, int]]] | None:
+    def hit(
+        self, spans: list[Any], tails: Callable[[int], list[Any]] | None = None
+    ) -> tuple[int, list[tuple[str, int]]] | None:
         """The prefix tokens of `spans` (one rank's, in order) the tiers hold and where, as
         a lookup's sources (`[(tier, prefix tokens up to the end of its run)]`), counted
         in raykv's lookup metrics as a manager lookup would count them; None when the
-        sets are not known (`locate`)."""
+        sets are not known (`locate`). `tails(n)`: the partial chunks that may follow the
+        first n chunks held, longest first (`save_unfull_chunk`): the first one held ends
+        the hit."""
         where = self.locate([s.key.chunk_hash for s in spans])
         if where is None:
             return None
+        found = list(zip(spans, where, strict=False))
+        held = self._held  # one read: the poller may swap in new sets
+        if tails is not None and held is not None:
+            for span in tails(len(where)):
+                tier = next((t for t in self._tiers if span.key.chunk_hash in held[t]), None)
+                if tier is not None:
+                    found.append((span, tier))
+                    break
         sources: list[tuple[str, int]] = []
-        for span, tier in zip(spans, where, strict=False):
+        for span, tier in found:
             if sources and sources[-1][0] == tier:
                 sources[-1] = (tier, span.end)
             else:
@@ -146,7 +159,7 @@ class CPUView:
         hit = sources[-1][1] if sources else 0
         metrics.inc("raykv_lookups")
         metrics.inc("raykv_hit_tokens", hit)
-        metrics.inc("raykv_miss_tokens", spans[-1].end - hit)
+        metrics.inc("raykv_miss_tokens", max((spans[-1].end if spans else 0) - hit, 0))
         low = 0
         for tier, high in sources:
             metrics.inc("raykv_tier_hit_tokens", high - low, tier=tier)

