@@ -259,4 +259,12 @@ class BufferPool:
             self.held += buf.nbytes
 
 
-__all__ = ["BufferPool", "SerialWorker", "Stager", "StagingRing", "copy_buffers"]
+def pinned_buffer(nbytes: int) -> np.ndarray:
+    """A flat uint8 buffer in pinned host memory (`BufferPool.alloc` for a CUDA engine's
+    device->host copies, which run async only into pinned memory)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+__all__ = ["BufferPool", "SerialWorker", "Stager", "StagingRing", "copy_buffers", "pinned_buffer"]

@@ -39,8 +39,8 @@ Nothing holds the engine still (`load_mode: async`, the default):
 - save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
   and the object-store put and manager call run on a saver thread. With
   `save_unfull_chunk`, a prompt's partial last chunk (to its last whole block) is saved
-  once the prompt is computed, and lookups answered from the view find it
-  (`tail_spans`): a chat's next turn loads its history to the block, not the chunk.
+  once the prompt is computed, and the view's sets find it after the whole chunks a
+  lookup found (`tail_spans`): a chat's next turn loads its history to the block.
 - on CUDA (`PageConnector.load_batch`/`save_batch`): a load is one pinned host->device
   copy on a load stream per request, waited for by the loader thread (or, in-step, by
   the compute stream); a save gathers on a save stream into pinned buffers, the compute
@@ -71,7 +71,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -91,7 +91,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from raykv.client.kvcache import KVCache, attach_ray, connect
-from raykv.client.staging import BufferPool
+from raykv.client.staging import BufferPool, pinned_buffer
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
@@ -121,7 +121,7 @@ from raykv.integrations.vllm_setup import (
     warn_other_layouts,
     worker_rank,
 )
-from raykv.integrations.vllm_view import CPUView
+from raykv.integrations.vllm_view import CPUView, add_source
 from raykv.keys import KeyMaker
 from raykv.page_connector import DONE, LoadPart, PageConnector
 from raykv.wire import TIER_CPU
@@ -144,13 +144,6 @@ MAX_PENDING_SAVE_BYTES = 1 << 30
 IDLE_STEP_SLEEP_S = 0.001
 # Save buffers kept warm for the next steps' copies once the cache has the bytes.
 SAVE_POOL_BYTES = 256 << 20
-
-
-def _pinned(nbytes: int) -> np.ndarray:
-    """A save buffer in pinned host memory (a CUDA engine's device->host copies)."""
-    import torch
-
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 class RayKVConnector(KVConnectorBase_V1):
@@ -227,13 +220,11 @@ class RayKVConnector(KVConnectorBase_V1):
             if self._keyed and (tiers := view_tiers(config)) is not None:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._view = CPUView(self._kv, identity, tiers)
-            elif config.save_unfull_chunk:
-                logger.warning(
-                    "raykv: save_unfull_chunk needs the scheduler's CPU view (lookup_view, one "
-                    "rank, local tiers only) to find partial chunks: none are stored"
-                )
-        # Prompts' partial last chunks are stored and found (`tail_spans`), scheduler side.
-        self._tails = config.save_unfull_chunk and self._view is not None
+            elif config.save_unfull_chunk:  # the view's sets find partial chunks
+                msg = "needs lookup_view (one rank, local tiers only): no partial chunk is stored"
+                logger.warning("raykv: save_unfull_chunk %s", msg)
+        self._tails = config.save_unfull_chunk and self._view is not None  # `tail_spans`
+        self._tail_args = (self._chunk, self._block_size, self._hash_block)
         # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
         # scheduler side, then worker side.
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
@@ -298,11 +289,9 @@ class RayKVConnector(KVConnectorBase_V1):
 
     def _small(self, n: int) -> bool:
         """Whether a hit of `n` tokens is loaded in its step even in async mode: its copy
-        (from the CPU tier, where the lookup promoted it) takes a few milliseconds, while
-        an async load costs the request a whole step (it resumes in the step after its
-        load ends, and under load that step may be another request's prefill).
-        `sync_load_max_bytes` sets the size (0: never); why 32 MiB: docs/BENCHMARKS.md,
-        "hits of up to 32 MiB loaded in their step"."""
+        takes milliseconds, an async load costs the request a whole step (it resumes in
+        the step after its load ends). `sync_load_max_bytes` sets the size (0: never);
+        why 32 MiB: docs/BENCHMARKS.md, "hits of up to 32 MiB loaded in their step"."""
         nbytes = -(-n // self._block_size) * self._block_bytes
         return 0 < nbytes <= self.config.sync_load_max_bytes
 
@@ -321,10 +310,7 @@ class RayKVConnector(KVConnectorBase_V1):
         spans = rank_spans(
             self._kv, self._other_ranks, hashes, chunk_ends(len(hashes), self._chunk)
         )
-        tails = None  # the partial chunks that may follow the whole ones held
-        if self._tails:
-            sizes = dict(chunk=self._chunk, block=self._block_size, hash_block=self._hash_block)
-            tails = partial(tail_spans, self._kv, request, **sizes)
+        tails = self._tails_of(request) if self._tails else None
         got = self._view.hit(spans, tails) if self._view is not None else None
         if got is not None:  # nothing pinned: the worker reads what the tiers hold then
             self.lookups_from_view += 1
@@ -393,7 +379,23 @@ class RayKVConnector(KVConnectorBase_V1):
         )
         state.pinned = state.hit > 0
         state.saved = state.hit
+        if self._tails:  # the view was stale or idle: its sets may still hold a partial chunk
+            self._add_tail(state)
         return state.hit
+
+    def _tails_of(self, request: Request) -> Callable[[int], list[Any]]:
+        """The partial chunks of `request` that may follow its first n whole chunks."""
+        return partial(tail_spans, self._kv, request, *self._tail_args)
+
+    def _add_tail(self, state: RequestState) -> None:
+        """Extend a manager lookup's hit (whole chunks, pinned) by the partial chunk after
+        it that the view's sets hold: read unpinned by the load (`CPUView.tail`)."""
+        found = self._view.tail(self._tails_of(state.request)(state.hit // self._chunk))
+        if found is not None:
+            span, tier = found
+            state.hit = state.tail = span.end
+            add_source(state.sources, tier, span.end)
+            state.lower = tier != TIER_CPU
 
     def _release(self, state: RequestState) -> None:
         """Release what `state`'s lookup pinned, now or (in flight) when its reply comes."""
@@ -478,12 +480,10 @@ class RayKVConnector(KVConnectorBase_V1):
         if (self._loading or self._lookups_in_flight) and not (
             scheduler_output.total_num_scheduled_tokens
         ):
-            # A step with nothing to run while lookups or loads are in flight: vLLM steps
-            # again at once, spinning on the GIL that the lookup threads (this process)
-            # and, with workers in this process (vLLM's offline `LLM`, uniprocess
-            # executors), the loader thread need after each reply or numpy copy
-            # (measured: an 8 MiB load took 0.65-0.95 s instead of 5 ms). Sleeping here
-            # lets them run; a step that has work never waits.
+            # Nothing to run while lookups or loads are in flight: vLLM would step again at
+            # once, spinning on the GIL the lookup threads (and, with in-process workers,
+            # the loader thread) need (an 8 MiB load took 0.65-0.95 s instead of 5 ms).
+            # Sleeping lets them run; a step that has work never waits.
             time.sleep(IDLE_STEP_SLEEP_S)
         meta = RayKVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
@@ -576,7 +576,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self._pages = pages
         if pages.batched:  # device->host save copies run async only into pinned memory
             with self._pending_lock:
-                self._buffers.alloc = _pinned
+                self._buffers.alloc = pinned_buffer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
         # The loader's copies use no torch thread pool (PageConnector.load copies with
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own

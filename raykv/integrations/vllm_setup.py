@@ -192,7 +192,7 @@ def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> li
 
 
 def tail_spans(
-    kv: Any, request: Any, first: int, chunk: int, block: int, hash_block: int
+    kv: Any, request: Any, chunk: int, block: int, hash_block: int, first: int
 ) -> list[ChunkSpan]:
     """The partial chunks that may hold `request`'s prefix past its first `first` whole
     chunks, longest first: [first * chunk, e) for each block end e inside chunk `first`

@@ -143,19 +143,11 @@ class CPUView:
         if where is None:
             return None
         found = list(zip(spans, where, strict=False))
-        held = self._held  # one read: the poller may swap in new sets
-        if tails is not None and held is not None:
-            for span in tails(len(where)):
-                tier = next((t for t in self._tiers if span.key.chunk_hash in held[t]), None)
-                if tier is not None:
-                    found.append((span, tier))
-                    break
+        if tails is not None and (tail := self.tail(tails(len(where)))) is not None:
+            found.append(tail)
         sources: list[tuple[str, int]] = []
         for span, tier in found:
-            if sources and sources[-1][0] == tier:
-                sources[-1] = (tier, span.end)
-            else:
-                sources.append((tier, span.end))
+            add_source(sources, tier, span.end)
         hit = sources[-1][1] if sources else 0
         metrics.inc("raykv_lookups")
         metrics.inc("raykv_hit_tokens", hit)
@@ -165,6 +157,21 @@ class CPUView:
             metrics.inc("raykv_tier_hit_tokens", high - low, tier=tier)
             low = high
         return hit, sources
+
+    def tail(self, spans: list[Any]) -> tuple[Any, str] | None:
+        """The first of `spans` (a request's partial chunks, longest first) the sets hold,
+        and its tier; None if none, or the sets are not known. Freshness is not asked:
+        this also extends a manager lookup's hit (the view was stale or idle), and a
+        partial chunk read unpinned that is gone by then fails its load, which vLLM
+        recomputes, as any stale answer of the view."""
+        held = self._held  # one read: the poller may swap in new sets
+        if held is None:
+            return None
+        for span in spans:
+            tier = next((t for t in self._tiers if span.key.chunk_hash in held[t]), None)
+            if tier is not None:
+                return span, tier
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -225,4 +232,13 @@ class CPUView:
         self._cursor = None
 
 
-__all__ = ["IDLE_POLL_S", "POLL_S", "SAVING_S", "STALE_S", "CPUView"]
+def add_source(sources: list[tuple[str, int]], tier: str, end: int) -> None:
+    """Extend a lookup's sources (`[(tier, prefix tokens up to the end of its run)]`) to
+    `end`, found in `tier`."""
+    if sources and sources[-1][0] == tier:
+        sources[-1] = (tier, end)
+    else:
+        sources.append((tier, end))
+
+
+__all__ = ["IDLE_POLL_S", "POLL_S", "SAVING_S", "STALE_S", "CPUView", "add_source"]

@@ -35,6 +35,7 @@ PROMPTS = {
     "other": vt.prompt(43, 40),  # keeps the engine busy between the runs
     "disk": vt.prompt(44, 3 * vt.CHUNK + 19),
     "turn": vt.prompt(45, 3 * vt.CHUNK + 45),  # 3 whole chunks, then a block to 224
+    "turn-2": vt.prompt(47, 3 * vt.CHUNK + 45),
 }
 
 
@@ -157,25 +158,53 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     vt.assert_same_output(warm, cold)
 
 
+def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, turn: list) -> None:
+    """`turn` (3 whole chunks, then blocks to 224) run and stored: its whole chunks and
+    its partial last chunk, which the view saw the tier admit."""
+    sched = vt.scheduler_connector(llm)
+    saved: list[bytes] = []
+    real_saved = sched.fillers.saved
+    with monkeypatch.context() as m:
+        m.setattr(sched.fillers, "saved", lambda h: (saved.extend(h), real_saved(h)))
+        vt.run(llm, [turn])
+        stored_and_seen(llm, kv)
+    assert len(saved) == 4  # 3 whole chunks and the partial one
+    tail = sched._kv.hashed_spans([saved[-1]], [224])[0].key.chunk_hash
+    deadline = time.monotonic() + 20
+    while tail not in sched._view._held["cpu"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, monkeypatch):
     llm, kv = engine
     sched = vt.scheduler_connector(llm)
     turn = PROMPTS["turn"]  # 237 tokens: its partial last chunk holds blocks to 224
     nxt = turn + vt.prompt(46, 30)  # the next turn: 267 tokens, chunk 3 (192-256) is new
     cold = vt.run(llm, [nxt], salt="cold")[0]  # another salt: keyed apart, all computed
-    saved: list[bytes] = []
-    real_saved = sched.fillers.saved
-    monkeypatch.setattr(sched.fillers, "saved", lambda h: (saved.extend(h), real_saved(h)))
-    vt.run(llm, [turn])
-    stored_and_seen(llm, kv)
-    assert len(saved) == 4  # 3 whole chunks and the partial one
-    tail = sched._kv.hashed_spans([saved[-1]], [224])[0].key.chunk_hash
-    deadline = time.monotonic() + 20
-    while tail not in sched._view._held["cpu"]:  # the view saw the tier admit it
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    stored_turn(llm, kv, monkeypatch, turn)
     answers = first_answers(sched, monkeypatch)
     warm = vt.run(llm, [nxt])[0]
     assert cold["cached"] == 0 and warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
     assert list(answers.values()) == [(3 * vt.CHUNK + vt.BLOCK, False)], answers
     vt.assert_same_output(warm, cold)
+
+
+def test_a_lookup_sent_to_the_manager_also_finds_the_partial_chunk(engine, monkeypatch):
+    """The view cannot answer (stale, idle, or saving the first chunk missing): the
+    manager's lookup finds the whole chunks and the view's sets the partial one after
+    them, read unpinned by the load."""
+    llm, kv = engine
+    sched = vt.scheduler_connector(llm)
+    turn = PROMPTS["turn-2"]
+    nxt = turn + vt.prompt(48, 30)
+    cold = vt.run(llm, [nxt], salt="cold")[0]
+    stored_turn(llm, kv, monkeypatch, turn)
+    monkeypatch.setattr(sched._view, "locate", lambda hashes: None)
+    sent, from_view = sched.lookups, sched.lookups_from_view
+    warm = vt.run(llm, [nxt])[0]
+    assert (sched.lookups, sched.lookups_from_view) == (sent + 1, from_view)
+    assert warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
+    vt.assert_same_output(warm, cold)
+    stats = kv.stats()
+    assert stats["open_lookups"] == 0 and stats["tiers"]["cpu"]["pinned_entries"] == 0

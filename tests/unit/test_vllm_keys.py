@@ -187,15 +187,15 @@ def test_a_prompts_partial_last_chunk_is_found_by_the_next_turn_that_extends_it(
     stored = kv.hashed_spans([tail_hash(first, 160, BLOCK)], [160])[0].key
 
     nxt = request(turn + list(range(500, 550)))  # 218 tokens: chunk 2 (128-192) is new
-    found = tail_spans(kv, nxt, 2, CHUNK, BLOCK, BLOCK)
+    found = tail_spans(kv, nxt, CHUNK, BLOCK, BLOCK, 2)
     assert [(s.start, s.end) for s in found] == [(128, 160)]
     assert found[0].key == stored
     salted = tail_spans(
-        kv, request(turn + list(range(500, 550)), cache_salt="b"), 2, CHUNK, BLOCK, BLOCK
+        kv, request(turn + list(range(500, 550)), cache_salt="b"), CHUNK, BLOCK, BLOCK, 2
     )
     assert salted[0].key != stored
     # Never at or past the request's last token (vLLM computes one), never a whole chunk.
-    assert tail_spans(kv, request(turn[:160]), 2, CHUNK, BLOCK, BLOCK) == []
-    assert [(s.start, s.end) for s in tail_spans(kv, nxt, 0, CHUNK, BLOCK, BLOCK)] == [(0, 32)]
-    wide = tail_spans(kv, nxt, 0, 4 * BLOCK, BLOCK, BLOCK)  # 128-token chunks: longest first
+    assert tail_spans(kv, request(turn[:160]), CHUNK, BLOCK, BLOCK, 2) == []
+    assert [(s.start, s.end) for s in tail_spans(kv, nxt, CHUNK, BLOCK, BLOCK, 0)] == [(0, 32)]
+    wide = tail_spans(kv, nxt, 4 * BLOCK, BLOCK, BLOCK, 0)  # 128-token chunks: longest first
     assert [(s.start, s.end) for s in wide] == [(0, 96), (0, 64), (0, 32)]
