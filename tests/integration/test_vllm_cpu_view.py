@@ -36,6 +36,7 @@ PROMPTS = {
     "disk": vt.prompt(44, 3 * vt.CHUNK + 19),
     "turn": vt.prompt(45, 3 * vt.CHUNK + 45),  # 3 whole chunks, then a block to 224
     "turn-2": vt.prompt(47, 3 * vt.CHUNK + 45),
+    "turn-3": vt.prompt(49, 3 * vt.CHUNK + 45),
 }
 
 
@@ -174,6 +175,7 @@ def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, tu
     while tail not in sched._view._held["cpu"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    return tail
 
 
 def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, monkeypatch):
@@ -208,3 +210,28 @@ def test_a_lookup_sent_to_the_manager_also_finds_the_partial_chunk(engine, monke
     vt.assert_same_output(warm, cold)
     stats = kv.stats()
     assert stats["open_lookups"] == 0 and stats["tiers"]["cpu"]["pinned_entries"] == 0
+
+
+def test_a_partial_chunk_found_on_disk_only_loads_asynchronously(engine, monkeypatch):
+    from raykv.keys import CacheKey
+
+    llm, kv = engine
+    sched = vt.scheduler_connector(llm)
+    turn = PROMPTS["turn-3"]
+    nxt = turn + vt.prompt(50, 30)
+    cold = vt.run(llm, [nxt], salt="cold")[0]
+    tail = stored_turn(llm, kv, monkeypatch, turn)
+    view = sched._view
+    key = CacheKey.of(view._identity, tail)
+    assert ray.get(kv._manager.remove.remote([key], ["cpu"])) == 1  # still on disk
+    deadline = time.monotonic() + 20
+    while tail in view._held["cpu"] or tail not in view._held["disk"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    answers = first_answers(sched, monkeypatch)
+    async_loads = sched.async_loads
+    warm = vt.run(llm, [nxt])[0]
+    assert list(answers.values()) == [(3 * vt.CHUNK + vt.BLOCK, True)], answers
+    assert sched.async_loads == async_loads + 1
+    assert warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
+    vt.assert_same_output(warm, cold)
