@@ -13,7 +13,9 @@ than an engine's pool; with events on, the connector reports it beside vLLM's ow
   removed, or lost with a CPU store (when the manager's log cannot say what changed, the
   connector compares what it reported with the CPU tier's keys, `KVCache.cpu_keys`).
   Chunks only a lower tier (disk, remote) holds are not advertised: they load slower,
-  and a router that counted them as cached would overrate the replica.
+  and a router that counted them as cached would overrate the replica. Nor are prompts'
+  partial last chunks (`save_unfull_chunk`): their blocks are also in the whole chunk
+  stored later, and removing one would name blocks the other still holds.
 
 Who advertises a shared chunk: only the engine that stored it (only it knows its blocks'
 token ids and parents). Every replica of the namespace can load it, so a router reading
