@@ -201,6 +201,7 @@ class RayKVConnector(KVConnectorBase_V1):
         # Worker side.
         self._pages: PageConnector | None = None
         self._load_errors: set[int] = set()
+        self._failed_in_step: set[int] = set()
         self._loads: dict[str, WorkerLoad] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
@@ -588,9 +589,11 @@ class RayKVConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, RayKVConnectorMetadata)
+        self._failed_in_step = set()  # this step's in-step loads' unwritten blocks
         for spec in meta.loads:
             if spec.sync:  # before this step's forward (on CUDA: the compute stream waits)
-                self._load_errors |= self._load(spec, None)
+                self._failed_in_step |= self._load(spec, None)
+                self._load_errors |= self._failed_in_step
                 continue
             stop = threading.Event()
             future = self._loader.submit(self._load, spec, stop, time.perf_counter())
@@ -635,27 +638,17 @@ class RayKVConnector(KVConnectorBase_V1):
             logger.warning("raykv load of %s failed at token %d: %s", spec.req_id, done, exc)
         except Exception:  # a loader thread must report, never die silently
             logger.exception("raykv load of %s failed at token %d", spec.req_id, done)
-        self.loaded_tokens += done - spec.start
-        nbytes = (done - spec.start) // bs * self._pages.block_nbytes
-        seconds = time.perf_counter() - submitted
-        self.load_log.append((done - spec.start, nbytes, seconds))
-        logger.debug(
-            "raykv load of %s: %d tokens (%d bytes) in %.1f ms, sync=%s",
-            spec.req_id,
-            done - spec.start,
-            nbytes,
-            seconds * 1e3,
-            spec.sync,
-        )
+        n, wanted = done - spec.start, spec.end - spec.start
+        self.loaded_tokens += n
+        nbytes, seconds = n // bs * self._pages.block_nbytes, time.perf_counter() - submitted
+        self.load_log.append((n, nbytes, seconds))
+        msg = "raykv load of %s: %d tokens (%d bytes) in %.1f ms, sync=%s"
+        logger.debug(msg, spec.req_id, n, nbytes, seconds * 1e3, spec.sync)
         if done >= spec.end:
             return set()
         self.failed_tokens += spec.end - done
-        logger.info(
-            "raykv: request %s loaded %d of %d tokens; vLLM recomputes the rest",
-            spec.req_id,
-            done - spec.start,
-            spec.end - spec.start,
-        )
+        msg = "raykv: request %s loaded %d of %d tokens; vLLM recomputes the rest"
+        logger.info(msg, spec.req_id, n, wanted)
         return set(spec.block_ids[done // bs : spec.end // bs])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -689,7 +682,10 @@ class RayKVConnector(KVConnectorBase_V1):
         if not meta.saves:
             return
         t0 = time.perf_counter()
-        copied = sum(self._save(spec) for spec in meta.saves)
+        # A request on a block whose in-step load failed computed on stale KV in this step
+        # (vLLM computes it again): none of its chunks is saved.
+        bad = self._failed_in_step
+        copied = sum(self._save(s) for s in meta.saves if bad.isdisjoint(s.block_ids))
         if copied:
             self.save_log.append((copied, time.perf_counter() - t0))
 

@@ -37,6 +37,7 @@ PROMPTS = {
     "turn": vt.prompt(45, 3 * vt.CHUNK + 45),  # 3 whole chunks, then a block to 224
     "turn-2": vt.prompt(47, 3 * vt.CHUNK + 45),
     "turn-3": vt.prompt(49, 3 * vt.CHUNK + 45),
+    "turn-4": vt.prompt(51, 3 * vt.CHUNK + 45),
 }
 
 
@@ -168,7 +169,7 @@ def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, tu
     with monkeypatch.context() as m:
         m.setattr(sched.fillers, "saved", lambda h: (saved.extend(h), real_saved(h)))
         vt.run(llm, [turn])
-        stored_and_seen(llm, kv)
+    stored_and_seen(llm, kv)
     assert len(saved) == 4  # 3 whole chunks and the partial one
     tail = sched._kv.hashed_spans([saved[-1]], [224])[0].key.chunk_hash
     deadline = time.monotonic() + 20
@@ -235,3 +236,36 @@ def test_a_partial_chunk_found_on_disk_only_loads_asynchronously(engine, monkeyp
     assert sched.async_loads == async_loads + 1
     assert warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
     vt.assert_same_output(warm, cold)
+
+
+def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch):
+    """The view lists a partial chunk the tiers dropped: the next turn's in-step load
+    fails, and the same step computes tokens 224-267 on those unwritten blocks, which
+    completes chunk 3 (192-256). vLLM computes it all again, and raykv must not have
+    stored that chunk: once chunks 0-2 are back, it would be loaded as the prefix's KV."""
+    llm, kv = engine
+    sched, worker = vt.scheduler_connector(llm), vt.worker_connector()
+    turn = PROMPTS["turn-4"]
+    nxt = turn + vt.prompt(52, 30)
+    cold = vt.run(llm, [nxt], salt="cold")[0]
+    stored_turn(llm, kv, monkeypatch, turn)
+    view = sched._view
+    with monkeypatch.context() as m:  # the view keeps listing what the tiers drop
+        m.setattr(view, "_poll", lambda: None)
+        m.setattr(view, "_polled_at", time.monotonic() + 3600)
+        kv.clear()
+        answers = first_answers(sched, m)
+        saved, failed = worker.saved_chunks, worker.failed_tokens
+        warm = vt.run(llm, [nxt])[0]
+        worker.flush()
+    assert list(answers.values()) == [(3 * vt.CHUNK + vt.BLOCK, False)], answers
+    assert worker.failed_tokens > failed
+    assert worker.saved_chunks == saved  # chunk 3 was computed on the failed load
+    vt.assert_same_output(warm, cold)
+    with view._saving_lock:  # chunk 3's planned save never lands (the view forgets it in 2 s)
+        view._saving.clear()
+    vt.run(llm, [turn])  # chunks 0-2 stored again
+    stored_and_seen(llm, kv)
+    again = vt.run(llm, [nxt])[0]
+    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK  # 0-2 and the partial chunk, not 3
+    vt.assert_same_output(again, cold)
