@@ -106,6 +106,7 @@ from raykv.integrations.vllm_meta import (
     WorkerLoad,
     chunk_ends,
     hit_source_split,
+    in_step_blocks,
 )
 from raykv.integrations.vllm_setup import (
     block_hashes_shared,
@@ -226,8 +227,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 logger.warning("raykv: save_unfull_chunk %s", msg)
         self._tails = config.save_unfull_chunk and self._view is not None  # `tail_spans`
         self._tail_args = (self._chunk, self._block_size, self._hash_block)
-        # Counters for tests and logs (the scheduler's also as metrics: COUNTER_METRICS),
-        # scheduler side, then worker side.
+        # Counters (scheduler's, then workers'; as metrics too: COUNTER_METRICS).
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
         self._exported = CounterExport()  # the counters below, as metrics once a step
         self._worker_exported = CounterExport(WORKER_COUNTER_METRICS)
@@ -467,9 +467,8 @@ class RayKVConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
-        """vLLM's split of a hit by the tier raykv found it in (its
-        `vllm:prompt_tokens_cached_by_source`): CPU -> host, disk -> disk, a peer's CPU
-        -> p2p, the remote store -> external_unspecified."""
+        """vLLM's split of a hit by the tier raykv found it in (`vllm:prompt_tokens_cached_
+        by_source`): CPU -> host, disk -> disk, peer -> p2p, remote -> external_unspecified."""
         state = self._requests.get(request.request_id)
         if num_external_tokens <= 0 or state is None or CacheHitSource is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -491,11 +490,15 @@ class RayKVConnector(KVConnectorBase_V1):
         if not self._keyed:
             return meta
         num_scheduled = scheduler_output.num_scheduled_tokens
+        # Several ranks: no worker knows of another's failed in-step load (all computed on
+        # stale KV), so a request on a block loaded in-step saves from the next step.
+        wait = in_step_blocks(meta.loads, self._block_size) if self._other_ranks else set()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
+                if wait.isdisjoint(state.block_ids):
+                    self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -506,7 +509,8 @@ class RayKVConnector(KVConnectorBase_V1):
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
-            self._plan_save(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
+            if wait.isdisjoint(state.block_ids):
+                self._plan_save(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
         return meta
 
     def _plan_save(

@@ -67,6 +67,11 @@ class SaveSpec:
     tail: int = 0
 
 
+def in_step_blocks(loads: list[LoadSpec], block: int) -> set[int]:
+    """The blocks that the in-step (`sync`) loads of a step write."""
+    return {b for spec in loads if spec.sync for b in spec.block_ids[spec.start // block :]}
+
+
 def chunk_ends(n: int, chunk: int, tail: int = 0) -> list[int]:
     """Where each of `n` chunks from token 0 ends: at multiples of `chunk`, the last at
     `tail` when it is a partial chunk (`tail` > 0)."""
@@ -226,4 +231,5 @@ __all__ = [
     "WorkerLoad",
     "chunk_ends",
     "hit_source_split",
+    "in_step_blocks",
 ]

@@ -199,3 +199,67 @@ def test_a_prompts_partial_last_chunk_is_found_by_the_next_turn_that_extends_it(
     assert [(s.start, s.end) for s in tail_spans(kv, nxt, CHUNK, BLOCK, BLOCK, 0)] == [(0, 32)]
     wide = tail_spans(kv, nxt, 4 * BLOCK, BLOCK, BLOCK, 0)  # 128-token chunks: longest first
     assert [(s.start, s.end) for s in wide] == [(0, 96), (0, 64), (0, 32)]
+
+
+def _scheduler(world_size: int) -> object:
+    """The scheduler side of a connector, without Ray or an engine: what planning the
+    step's loads and saves reads."""
+    from types import SimpleNamespace
+
+    from raykv.integrations.vllm import RayKVConnector
+    from raykv.integrations.vllm_meta import Fillers
+
+    conn = object.__new__(RayKVConnector)
+    conn.config = SimpleNamespace(lookup_wait_ms=0, world_size=world_size)
+    conn._exported = SimpleNamespace(export=lambda owner: None)
+    conn._loading, conn._lookups_in_flight, conn._keyed = {}, 0, True
+    conn._other_ranks = [object()] * (world_size - 1)
+    conn._chunk, conn._block_size, conn._hash_block = CHUNK, BLOCK, BLOCK
+    conn._events = conn._view = None
+    conn._tails = False
+    conn.fillers = Fillers(CHUNK)
+    return conn
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_with_several_ranks_a_request_loaded_in_step_saves_from_the_next_step(world_size):
+    """A rank's in-step load may fail while this rank's succeeds, and then every rank
+    computed on stale KV in that step: with several ranks, the chunks a request completes
+    in the step of its in-step load are planned a step later (vLLM has taken back the
+    failed tokens by then). One rank knows its own failures (`wait_for_save`)."""
+    from types import SimpleNamespace
+
+    from raykv.integrations.vllm import RequestState
+    from raykv.integrations.vllm_meta import LoadSpec
+
+    conn = _scheduler(world_size)
+    req = request(TOKENS)  # 4 chunks, the first 2 a raykv hit loaded in-step
+    conn._requests = {"r": RequestState(req, "l", 0, hit=2 * CHUNK, saved=2 * CHUNK)}
+    blocks = list(range(10, 18))
+    hashes = chunk_hashes(req, 2 * CHUNK, CHUNK, BLOCK)
+    conn._pending_loads = [LoadSpec("r", "l", hashes, 0, 2 * CHUNK, blocks[:4], sync=True)]
+    first = SimpleNamespace(
+        total_num_scheduled_tokens=2 * CHUNK,
+        num_scheduled_tokens={"r": 2 * CHUNK},
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="r", block_ids=(blocks,), num_computed_tokens=2 * CHUNK)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
+    meta = conn.build_connector_meta(first)
+    assert [(s.start, s.end) for s in meta.saves] == ([(128, 256)] if world_size == 1 else [])
+    second = SimpleNamespace(
+        total_num_scheduled_tokens=1,
+        num_scheduled_tokens={"r": 1},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"],
+            new_block_ids=[None],
+            resumed_req_ids=set(),
+            num_computed_tokens=[4 * CHUNK],
+        ),
+    )
+    meta = conn.build_connector_meta(second)
+    assert [(s.start, s.end) for s in meta.saves] == ([] if world_size == 1 else [(128, 256)])
