@@ -48,20 +48,13 @@ Nothing holds the engine still (`load_mode: async`, the default):
   These copies and their stream order ran on an H100 (tests/unit/test_page_connector.py,
   docs/BENCHMARKS.md); the connector inside a CUDA vLLM engine has not run yet.
 
-With vLLM's KV events on (`kv_events_config`), the connector also reports the blocks raykv's
-CPU tier holds (`take_events`, medium "CPU", ownership "raykv"; see
-`raykv.integrations.vllm_events`), so a KV-aware router can count them.
-
-The engine's `RayKVConfig` and the chunk keys (vLLM's block hashes) are built in
-`raykv.integrations.vllm_setup`.
-
 `load_mode: sync` copies a hit's blocks in the step that schedules the request, before
-its forward pass (every running request waits for that copy).
-
-Payloads are whole vLLM pages (`PAGES` layout), exact for every attention backend,
-including the CPU one whose K is packed per instruction set. A layout fingerprint (vLLM
-version, platform, backend, KV layout, block size, heads, head size, dtype, layers, model)
-is folded into the key's model name, so pages of one layout never reach another.
+its forward pass (every running request waits for that copy). KV events for KV-aware
+routers: `raykv.integrations.vllm_events`; the engine's `RayKVConfig` and chunk keys:
+`raykv.integrations.vllm_setup`. Payloads are whole vLLM pages (`PAGES` layout), exact for
+every attention backend (the CPU one packs K per instruction set); a layout fingerprint
+(vLLM version, platform, backend, KV layout, block and chunk size, heads, dtype, layers,
+model) is folded into the key's model name, so pages of one layout never reach another.
 """
 
 from __future__ import annotations
@@ -116,6 +109,7 @@ from raykv.integrations.vllm_setup import (
     prompt_tail,
     rank_spans,
     raykv_config,
+    steps_before_output,
     tail_hash,
     tail_spans,
     view_tiers,
@@ -170,6 +164,7 @@ class RayKVConnector(KVConnectorBase_V1):
                 f"{self._hash_block}"
             )
         self._async = config.load_mode == "async"
+        self._batches = steps_before_output(vllm_config)  # a load error is seen that late
         self._block_bytes = block_nbytes(kv_cache_config)  # 0: unknown, every hit is async
         self._keyed = block_hashes_shared(vllm_config)
         # The scheduler looks up every rank's keys (a TP x PP engine stores per rank).
@@ -199,10 +194,11 @@ class RayKVConnector(KVConnectorBase_V1):
         self._wait_left = self.config.lookup_wait_ms / 1000.0  # this step's lookup wait
         self._pending_loads: list[LoadSpec] = []  # planned, not yet in a step's metadata
         self._loading: dict[str, frozenset[bytes]] = {}  # async loads: request -> chunk hashes
+        self._in_step: deque[set[int]] = deque(maxlen=self._batches)  # blocks loaded in-step
         # Worker side.
         self._pages: PageConnector | None = None
         self._load_errors: set[int] = set()
-        self._failed_in_step: set[int] = set()
+        self._failed_in_step: deque[set[int]] = deque(maxlen=self._batches)
         self._loads: dict[str, WorkerLoad] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
@@ -491,8 +487,9 @@ class RayKVConnector(KVConnectorBase_V1):
             return meta
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Several ranks: no worker knows of another's failed in-step load (all computed on
-        # stale KV), so a request on a block loaded in-step saves from the next step.
-        wait = in_step_blocks(meta.loads, self._block_size) if self._other_ranks else set()
+        # stale KV), so a request on a block loaded in-step saves once vLLM saw the output.
+        self._in_step.append(in_step_blocks(meta.loads, self._block_size))
+        wait = set().union(*self._in_step) if self._other_ranks else set()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -593,11 +590,12 @@ class RayKVConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, RayKVConnectorMetadata)
-        self._failed_in_step = set()  # this step's in-step loads' unwritten blocks
+        failed: set[int] = set()  # this step's in-step loads' unwritten blocks
+        self._failed_in_step.append(failed)
         for spec in meta.loads:
             if spec.sync:  # before this step's forward (on CUDA: the compute stream waits)
-                self._failed_in_step |= self._load(spec, None)
-                self._load_errors |= self._failed_in_step
+                failed |= self._load(spec, None)
+                self._load_errors |= failed
                 continue
             stop = threading.Event()
             future = self._loader.submit(self._load, spec, stop, time.perf_counter())
@@ -609,8 +607,7 @@ class RayKVConnector(KVConnectorBase_V1):
         """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
         fill. A set `stop` or the load time-out ends it at a chunk boundary, so no copy
         is still writing once it returns."""
-        bs = self._block_size
-        done = spec.start
+        bs, done = self._block_size, spec.start  # done: written (reached: copies queued)
         submitted = time.perf_counter() if submitted is None else submitted
         deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
         try:
@@ -618,26 +615,29 @@ class RayKVConnector(KVConnectorBase_V1):
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
             parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
+            reached = done
             for span, buf, meta in chunks:
                 if stop is not None and (stop.is_set() or time.monotonic() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
-                    logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
+                    logger.info("raykv load of %s %s at token %d", spec.req_id, why, reached)
                     break
                 lo, hi = max(span.start, spec.start), min(span.end, spec.end)
-                if lo != done or lo >= hi:
+                if lo != reached or lo >= hi:
                     break
                 part = (buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs)
                 if self._pages.batched:
                     parts.append(part)
                 else:
                     self._pages.load(*part)
-                done = hi
+                    done = hi
+                reached = hi
             if parts:
                 written = self._pages.load_batch(parts)
                 if stop is None:  # in-step: the forward waits on the device, not the host
                     self._pages.wait_on_compute(written)
                 else:  # a loader thread: reported once the blocks hold the bytes
                     written.synchronize()
+                done = reached
         except (RayKVError, ValueError, RuntimeError) as exc:
             logger.warning("raykv load of %s failed at token %d: %s", spec.req_id, done, exc)
         except Exception:  # a loader thread must report, never die silently
@@ -686,9 +686,9 @@ class RayKVConnector(KVConnectorBase_V1):
         if not meta.saves:
             return
         t0 = time.perf_counter()
-        # A request on a block whose in-step load failed computed on stale KV in this step
-        # (vLLM computes it again): none of its chunks is saved.
-        bad = self._failed_in_step
+        # A request on a block whose in-step load failed computes on stale KV in that step
+        # and in those vLLM scheduled before it saw the failure: none of it is saved.
+        bad = set().union(*self._failed_in_step)
         copied = sum(self._save(s) for s in meta.saves if bad.isdisjoint(s.block_ids))
         if copied:
             self.save_log.append((copied, time.perf_counter() - t0))

@@ -152,6 +152,13 @@ def _device_type() -> str:
     return str(current_platform.device_type)
 
 
+def steps_before_output(vllm_config: VllmConfig) -> int:
+    """How many steps vLLM schedules before it has seen a step's output (and so the load
+    errors it reported): 2 with async scheduling, the pipeline depth with PP, else 1."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    return max(pp, 1 + bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+
+
 def worker_rank(config: RayKVConfig) -> int:
     """This worker's place in the TP x PP world (0 outside a worker)."""
     try:
@@ -291,6 +298,7 @@ __all__ = [
     "view_tiers",
     "rank_spans",
     "raykv_config",
+    "steps_before_output",
     "warn_other_layouts",
     "worker_rank",
 ]

@@ -201,9 +201,10 @@ def test_a_prompts_partial_last_chunk_is_found_by_the_next_turn_that_extends_it(
     assert [(s.start, s.end) for s in wide] == [(0, 96), (0, 64), (0, 32)]
 
 
-def _scheduler(world_size: int) -> object:
+def _scheduler(world_size: int, batches: int) -> object:
     """The scheduler side of a connector, without Ray or an engine: what planning the
-    step's loads and saves reads."""
+    step's loads and saves reads (`batches`: steps vLLM schedules before an output)."""
+    from collections import deque
     from types import SimpleNamespace
 
     from raykv.integrations.vllm import RayKVConnector
@@ -217,49 +218,54 @@ def _scheduler(world_size: int) -> object:
     conn._chunk, conn._block_size, conn._hash_block = CHUNK, BLOCK, BLOCK
     conn._events = conn._view = None
     conn._tails = False
+    conn._in_step = deque(maxlen=batches)
     conn.fillers = Fillers(CHUNK)
     return conn
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_with_several_ranks_a_request_loaded_in_step_saves_from_the_next_step(world_size):
+@pytest.mark.parametrize(("world_size", "batches", "planned_in"), [(1, 2, 0), (2, 1, 1), (2, 2, 2)])
+def test_with_several_ranks_a_request_loaded_in_step_saves_once_vllm_saw_that_step(
+    world_size, batches, planned_in
+):
     """A rank's in-step load may fail while this rank's succeeds, and then every rank
     computed on stale KV in that step: with several ranks, the chunks a request completes
-    in the step of its in-step load are planned a step later (vLLM has taken back the
-    failed tokens by then). One rank knows its own failures (`wait_for_save`)."""
+    in the step of its in-step load are planned only once vLLM has seen that step's output
+    (the next step; two later with async scheduling). One rank knows its own failures
+    (the worker's `wait_for_save`) and plans at once."""
     from types import SimpleNamespace
 
     from raykv.integrations.vllm import RequestState
     from raykv.integrations.vllm_meta import LoadSpec
 
-    conn = _scheduler(world_size)
+    conn = _scheduler(world_size, batches)
     req = request(TOKENS)  # 4 chunks, the first 2 a raykv hit loaded in-step
     conn._requests = {"r": RequestState(req, "l", 0, hit=2 * CHUNK, saved=2 * CHUNK)}
     blocks = list(range(10, 18))
     hashes = chunk_hashes(req, 2 * CHUNK, CHUNK, BLOCK)
     conn._pending_loads = [LoadSpec("r", "l", hashes, 0, 2 * CHUNK, blocks[:4], sync=True)]
-    first = SimpleNamespace(
-        total_num_scheduled_tokens=2 * CHUNK,
-        num_scheduled_tokens={"r": 2 * CHUNK},
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id="r", block_ids=(blocks,), num_computed_tokens=2 * CHUNK)
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
-        ),
+    none = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
     )
-    meta = conn.build_connector_meta(first)
-    assert [(s.start, s.end) for s in meta.saves] == ([(128, 256)] if world_size == 1 else [])
-    second = SimpleNamespace(
-        total_num_scheduled_tokens=1,
-        num_scheduled_tokens={"r": 1},
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["r"],
-            new_block_ids=[None],
-            resumed_req_ids=set(),
-            num_computed_tokens=[4 * CHUNK],
-        ),
-    )
-    meta = conn.build_connector_meta(second)
-    assert [(s.start, s.end) for s in meta.saves] == ([] if world_size == 1 else [(128, 256)])
+    new = SimpleNamespace(req_id="r", block_ids=(blocks,), num_computed_tokens=2 * CHUNK)
+    steps = [
+        SimpleNamespace(
+            total_num_scheduled_tokens=2 * CHUNK,
+            num_scheduled_tokens={"r": 2 * CHUNK},
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=none,
+        )
+    ] + [
+        SimpleNamespace(
+            total_num_scheduled_tokens=1,
+            num_scheduled_tokens={"r": 1},
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=["r"],
+                new_block_ids=[None],
+                resumed_req_ids=set(),
+                num_computed_tokens=[4 * CHUNK],
+            ),
+        )
+    ] * 2
+    saves = [[(s.start, s.end) for s in conn.build_connector_meta(step).saves] for step in steps]
+    assert saves == [[(128, 256)] if i == planned_in else [] for i in range(3)]
