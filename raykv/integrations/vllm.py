@@ -191,6 +191,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._pending_loads: list[LoadSpec] = []  # planned, not yet in a step's metadata
         self._loading: dict[str, frozenset[bytes]] = {}  # async loads: request -> chunk hashes
         self._in_step: deque[set[int]] = deque(maxlen=self._batches)  # blocks loaded in-step
+        self._wait: set[int] = set()  # their union: requests on them save later (several ranks)
         # Worker side.
         self._pages: PageConnector | None = None
         self._load_errors: set[int] = set()
@@ -308,7 +309,6 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         if got is not None:  # nothing pinned: the worker reads what the tiers hold then
             self.lookups_from_view += 1
             state.hit, state.sources = got
-            state.tail = state.hit if state.hit % self._chunk else 0
             state.saved = state.hit - state.hit % self._chunk
             state.lower = any(tier != TIER_CPU for tier, _ in state.sources)
             return state
@@ -386,7 +386,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         found = self._view.tail(self._tails_of(state.request)(state.hit // self._chunk))
         if found is not None:
             span, tier = found
-            state.hit = state.tail = span.end
+            state.hit = span.end
             add_source(state.sources, tier, span.end)
             state.lower = tier != TIER_CPU
 
@@ -430,8 +430,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
                 state.pinned = False
             return
         start, end = state.local, state.local + num_external_tokens
-        whole = state.tail - state.tail % self._chunk  # where a partial chunk hit starts
-        tail = state.tail if state.tail and end > whole else 0
+        whole = state.hit - state.hit % self._chunk  # a hit past it ends in a partial chunk
+        tail = state.hit if end > whole else 0
         covered = whole if tail else -(-end // self._chunk) * self._chunk  # the whole chunks
         hashes = chunk_hashes(request, covered, self._chunk, self._hash_block)
         if tail:
@@ -484,14 +484,14 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Several ranks: no worker knows of another's failed in-step load (all computed on
         # stale KV), so a request on a block loaded in-step saves once vLLM saw the output.
-        self._in_step.append(in_step_blocks(meta.loads, self._block_size))
-        wait = set().union(*self._in_step) if self._other_ranks else set()
+        if self._other_ranks:
+            self._in_step.append(in_step_blocks(meta.loads, self._block_size))
+            self._wait = set().union(*self._in_step)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                if wait.isdisjoint(state.block_ids):
-                    self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
+                self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -502,8 +502,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
-            if wait.isdisjoint(state.block_ids):
-                self._plan_save(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
+            self._plan_save(state, req_id, cached.num_computed_tokens[i], num_scheduled, meta)
         return meta
 
     def _plan_save(
@@ -514,6 +513,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         num_scheduled: dict[str, int],
         meta: RayKVConnectorMetadata,
     ) -> None:
+        if not self._wait.isdisjoint(state.block_ids):
+            return  # on a block loaded in-step lately: planned once vLLM saw its output
         done = min(num_computed + num_scheduled.get(req_id, 0), state.request.num_tokens)
         hashes = chunk_hashes(state.request, done, self._chunk, self._hash_block)
         end = len(hashes) * self._chunk

@@ -90,7 +90,7 @@ class RequestState:
     preemptions: int
     lookup: Future | None = None  # the lookup in flight
     deadline: float = 0.0  # when an unanswered lookup counts as a miss
-    hit: int = 0  # prefix tokens raykv holds, pinned in CPU until loaded (if `pinned`)
+    hit: int = 0  # prefix tokens raykv holds (not a chunk multiple: ends in a partial chunk)
     pinned: bool = False  # the manager holds a lookup record (pins) under lookup_id
     local: int = 0  # tokens vLLM's own prefix cache supplied (block-aligned)
     block_ids: list[int] = field(default_factory=list)
@@ -98,7 +98,6 @@ class RequestState:
     sync_load: bool = False  # its load is copied in its step (sync mode, or a small hit)
     sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
     lower: bool = False  # answered from the view with chunks on disk: loaded async
-    tail: int = 0  # the hit ends in a partial chunk ending here (0: whole chunks)
     tail_saved: bool = False  # its prompt's partial last chunk was planned for saving
 
 

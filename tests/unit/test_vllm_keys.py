@@ -218,7 +218,7 @@ def _scheduler(world_size: int, batches: int) -> object:
     conn._chunk, conn._block_size, conn._hash_block = CHUNK, BLOCK, BLOCK
     conn._events = conn._view = None
     conn._tails = False
-    conn._in_step = deque(maxlen=batches)
+    conn._in_step, conn._wait = deque(maxlen=batches), set()
     conn.fillers = Fillers(CHUNK)
     return conn
 
