@@ -26,7 +26,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   answering it from its copy of the CPU tier's keys; `BD`: `B` with a disk tier of the
   same size below its CPU tier (the view follows both), `BD-noview` the same without;
   `B-chunk64`: `B` with 64-token chunks instead of 256; `B-unfull`: `B` that also stores
-  each prompt's partial last chunk (`save_unfull_chunk`);
+  each prompt's partial last chunk (`save_unfull_chunk`), found from the scheduler's view;
+  `B-unfull-noview` and `D-unfull` (Redis only): the same, found by the manager;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
@@ -116,6 +117,8 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "BD-noview": (1, "pow2", "cpu+disk", False),
     "B-chunk64": (1, "pow2", "cpu", False),
     "B-unfull": (1, "pow2", "cpu", False),
+    "B-unfull-noview": (1, "pow2", "cpu", False),
+    "D-unfull": (1, "pow2", "redis", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
 # wait for a new request's lookup (every request then waits at least one engine step);
@@ -123,7 +126,8 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
 # B-noview sends every new request's lookup to the manager (B answers them from the
 # scheduler's copy of the CPU tier's keys); B-chunk64 keys and stores 64-token chunks
 # instead of 256 (a hit then recomputes at most 63 tokens of a stored prefix, not 255);
-# B-unfull also stores each prompt's partial last chunk (to its last 32-token block).
+# B-unfull also stores each prompt's partial last chunk (to its last 32-token block);
+# B-unfull-noview and D-unfull find it through the manager (no scheduler view there).
 ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-wait0": {"lookup_wait_ms": 0},
     "B-inline4": {"sync_load_max_bytes": 4 << 20},
@@ -131,6 +135,8 @@ ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "BD-noview": {"lookup_view": False},
     "B-chunk64": {"chunk_size": 64},
     "B-unfull": {"save_unfull_chunk": True},
+    "B-unfull-noview": {"save_unfull_chunk": True, "lookup_view": False},
+    "D-unfull": {"save_unfull_chunk": True},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
 GROUPS = (

@@ -403,6 +403,13 @@ class KeyMaker:
             start = int(end)
         return spans
 
+    def hashes_from_hashes(self, hashes: Sequence[int | bytes | str]) -> list[str]:
+        """The chunk hashes `keys_from_hashes` gives the keys of an engine's `hashes`, the
+        same on every rank (a rank's key is the hash with its `worker_id`), without
+        building keys: what a lookup sends for many candidate chunks."""
+        seed = _seed_digest(self.hash_seed) + _EXTERNAL_TAG
+        return [xxhash.xxh3_128_hexdigest(seed + _external_bytes(h)) for h in hashes]
+
 
 def _external_bytes(h: int | bytes | str) -> bytes:
     if isinstance(h, (bytes, bytearray)):

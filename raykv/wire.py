@@ -436,6 +436,65 @@ def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class TailCandidates:
+    """The partial chunks a lookup's hit may end in (`save_unfull_chunk`: a prompt's
+    partial last chunk, found by the next turn that extends it): for each, where it
+    starts and ends and its chunk hash, which is the same on every rank (a rank's key is
+    the hash with its `worker_id`). Within one start, longest first. The manager keys
+    only the candidates starting where its whole-chunk hit ends (`at`): a lookup sends
+    hundreds of them, and building every rank's key of each would cost the sender more
+    than the rest of its lookup."""
+
+    model_name: str
+    world_size: int
+    kv_dtype: str
+    starts: list[int]
+    ends: list[int]
+    hashes: list[str]
+
+    def wire(self) -> tuple:
+        """A plain tuple (no class to unpickle on the manager's side)."""
+        return (
+            self.model_name,
+            self.world_size,
+            self.kv_dtype,
+            self.starts,
+            self.ends,
+            self.hashes,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> TailCandidates:
+        """`wire()`'s tuple back, checked; a clear error for anything else."""
+        try:
+            model, world, dtype, starts, ends, hashes = wire
+            _checked_form("tails", (model, world, 0, dtype), hashes, ends)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"tails must be TailCandidates.wire()'s tuple: {exc}") from None
+        if not isinstance(starts, list | tuple) or len(starts) != len(ends):
+            raise InvalidInputError("tails: one start per candidate")
+        for start, end in zip(starts, ends, strict=True):
+            if type(start) is not int or not 0 <= start < end:
+                raise InvalidInputError(f"tails: bad candidate span [{start!r}, {end!r})")
+        return cls(model, world, dtype, list(starts), list(ends), list(hashes))
+
+    def at(self, start: int) -> list[tuple[list[CacheKey], list[int]]]:
+        """The candidates starting at token `start`, in the order sent, as the keys of
+        every rank in rank order and their ends (every rank's but the last's is `start`,
+        as in a lookup's whole chunks: a chunk counts once every rank holds it)."""
+        out = []
+        last = self.world_size - 1
+        for s, e, h in zip(self.starts, self.ends, self.hashes, strict=True):
+            if s == start:
+                keys = [
+                    CacheKey(self.model_name, self.world_size, r, h, self.kv_dtype)
+                    for r in range(self.world_size)
+                ]
+                out.append((keys, [start] * last + [e]))
+        return out
+
+
 def as_keys(items: Sequence[CacheKey | ChunkSpan] | PackedSpans) -> list[CacheKey]:
     """Keys of `items` (keys, spans, packed spans or their wire form)."""
     items = _unwire(items)

@@ -57,6 +57,7 @@ from raykv.wire import (
     PackedSpans,
     PutResult,
     RetrieveResult,
+    TailCandidates,
     as_keys,
     kind,
     split_spans,
@@ -375,24 +376,37 @@ class ManagerCore:
         lookup_id: str,
         spans: Sequence[ChunkSpan] | PackedSpans,
         search_range: Sequence[str] | None = None,
+        tails: Any = None,
     ) -> None:
         """Start loading the prefix of `spans` into CPU and return at once; the loaded
-        chunks are pinned under `lookup_id` until its get or unpin. See `wait`."""
+        chunks are pinned under `lookup_id` until its get or unpin. See `wait`. `tails`
+        (`TailCandidates.wire`): candidate partial chunks, one of which may extend the
+        prefix past its whole chunks (`LookupPlan.with_tail`)."""
         await self._ready()
         keys, ends = split_spans(spans)
+        candidates = TailCandidates.from_wire(tails) if tails is not None else None
         tiers = self._index.tiers_for(search_range)
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)
-        rec.task = asyncio.get_running_loop().create_task(self._load(rec, keys, ends, tiers))
+        load = self._load(rec, keys, ends, tiers, candidates)
+        rec.task = asyncio.get_running_loop().create_task(load)
         arrived = self._arrivals.pop(lookup_id, None)
         if arrived is not None:
             arrived.set()
 
     async def _load(
-        self, rec: Lookup, keys: list[CacheKey], ends: list[int], tiers: list[str]
+        self,
+        rec: Lookup,
+        keys: list[CacheKey],
+        ends: list[int],
+        tiers: list[str],
+        tails: TailCandidates | None = None,
     ) -> int:
         t0 = time.perf_counter()
         plan = await self._drive(self._plan_keys(keys, ends, tiers))
+        if tails is not None:
+            plan = plan.with_tail(self._index, tails, tiers)
+            rec.ends = plan.ends
         self._count_lookup(plan)
         rec.sources = plan.sources()
         keys, segs = plan.keys, plan.segs
@@ -432,12 +446,13 @@ class ManagerCore:
         spans: Sequence[ChunkSpan] | PackedSpans,
         timeout: float | None = None,
         search_range: Sequence[str] | None = None,
+        tails: Any = None,
     ) -> tuple[int, list[tuple[str, int]]]:
         """`prefetch`, then `wait(sources=True)`, in one call: a pinned lookup that
         promotes what it finds below CPU (the vLLM connector's). A lookup with nothing
         ready in CPU by then is closed (no pins to release; a load still running drops
         what it brings)."""
-        await self.prefetch(lookup_id, spans, search_range)
+        await self.prefetch(lookup_id, spans, search_range, tails)
         n, sources = await self.wait(lookup_id, timeout, sources=True)  # type: ignore[misc]
         if n == 0:
             self._close(lookup_id)

@@ -39,7 +39,7 @@ from raykv.config import RayKVConfig
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
 from raykv.payload import PayloadMeta
-from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult
+from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult, TailCandidates
 
 logger = logging.getLogger(__name__)
 
@@ -326,17 +326,25 @@ class KVCache:
         return int(n), [(str(k), int(end)) for k, end in sources]
 
     def fetch_spans(
-        self, spans: list[ChunkSpan], lookup_id: str, timeout: float | None = None
+        self,
+        spans: list[ChunkSpan],
+        lookup_id: str,
+        timeout: float | None = None,
+        tails: TailCandidates | None = None,
     ) -> tuple[int, list[tuple[str, int]]]:
         """`prefetch_spans` then `wait_sources`, in one manager round trip: prefix tokens
         pinned in CPU under `lookup_id` (0: nothing pinned, nothing to release) and
-        where they were found. A fault answers `(0, [])`."""
+        where they were found. A fault answers `(0, [])`. `tails`: candidate partial
+        chunks, of which the first held right after the whole chunks found extends the
+        prefix (`save_unfull_chunk`)."""
         self._check_timeout(timeout)
-        if not spans:
+        if not spans and (tails is None or not tails.starts):
             return 0, []
         self._settle()
         outer = None if timeout is None else timeout + self._lookup_timeout
-        args = (lookup_id, self._packed(spans), timeout)
+        args: tuple = (lookup_id, self._packed(spans), timeout)
+        if tails is not None and tails.starts:
+            args += (None, tails.wire())
         n, sources = self._call("fetch", *args, timeout=outer, default=(0, []))
         return int(n), [(str(k), int(end)) for k, end in sources]
 

@@ -39,8 +39,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
 - save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
   and the object-store put and manager call run on a saver thread. With
   `save_unfull_chunk`, a prompt's partial last chunk (to its last whole block) is saved
-  once the prompt is computed, and the view's sets find it after the whole chunks a
-  lookup found (`tail_spans`): a chat's next turn loads its history to the block.
+  once the prompt is computed; a lookup finds it after its whole chunks (the view's
+  sets, `tail_spans`, or the manager, given the candidates: `tail_candidates`): a
+  chat's next turn loads its history to the block.
 - on CUDA (`PageConnector.load_batch`/`save_batch`): a load is one pinned host->device
   copy on a load stream per request, waited for by the loader thread (or, in-step, by
   the compute stream); a save gathers on a save stream into pinned buffers, the compute
@@ -109,17 +110,18 @@ from raykv.integrations.vllm_setup import (
     rank_spans,
     raykv_config,
     steps_before_output,
+    tail_candidates,
     tail_hash,
     tail_spans,
     view_tiers,
     warn_other_layouts,
     worker_rank,
 )
-from raykv.integrations.vllm_view import CPUView, add_source
+from raykv.integrations.vllm_view import CPUView
 from raykv.integrations.vllm_worker import WorkerSide
 from raykv.keys import KeyMaker
 from raykv.page_connector import PageConnector
-from raykv.wire import TIER_CPU
+from raykv.wire import TIER_CPU, TailCandidates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -164,6 +166,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._block_bytes = block_nbytes(kv_cache_config)  # 0: unknown, every hit is async
         self._keyed = block_hashes_shared(vllm_config)
         # The scheduler looks up every rank's keys (a TP x PP engine stores per rank).
+        self._maker = KeyMaker.from_config(config, worker_id=0)  # the scheduler's keys
         self._other_ranks = [
             KeyMaker.from_config(config, worker_id=r) for r in range(1, config.world_size)
         ]
@@ -215,10 +218,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             if self._keyed and (tiers := view_tiers(config)) is not None:
                 identity = KeyMaker.from_config(config, worker_id=0).identity
                 self._view = CPUView(self._kv, identity, tiers)
-            elif config.save_unfull_chunk:  # the view's sets find partial chunks
-                msg = "needs lookup_view (one rank, local tiers only): no partial chunk is stored"
-                logger.warning("raykv: save_unfull_chunk %s", msg)
-        self._tails = config.save_unfull_chunk and self._view is not None  # `tail_spans`
+        self._tails = config.save_unfull_chunk  # prompts' partial last chunks: stored, found
         self._tail_args = (self._chunk, self._block_size, self._hash_block)
         # Counters (scheduler's, then workers'; as metrics too: COUNTER_METRICS).
         self.fillers = Fillers(self._chunk)  # who filled this engine's raykv hits
@@ -259,7 +259,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             return 0, False
         state = self._requests.get(request.request_id)
         if state is None or state.preemptions != request.num_preemptions:
-            state = self._lookup(request, state)
+            state = self._lookup(request, state, num_computed_tokens)
             self._wait_briefly(state)
         hit = self._answer(state)
         if hit is None:
@@ -289,7 +289,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         nbytes = -(-n // self._block_size) * self._block_bytes
         return 0 < nbytes <= self.config.sync_load_max_bytes
 
-    def _lookup(self, request: Request, old: RequestState | None) -> RequestState:
+    def _lookup(
+        self, request: Request, old: RequestState | None, num_computed: int = 0
+    ) -> RequestState:
         """Send the pinned lookup of `request` (a prefetch: chunks found below the CPU tier
         are promoted at once) to a lookup thread; `_answer` reads its reply."""
         if old is not None:  # preempted: its blocks are gone, look it up again
@@ -312,22 +314,27 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             state.saved = state.hit - state.hit % self._chunk
             state.lower = any(tier != TIER_CPU for tier, _ in state.sources)
             return state
-        if not spans:
-            return state  # shorter than a chunk: only the view finds partial chunks
+        candidates = self._candidates(request, num_computed) if self._tails else None
+        if not spans and (candidates is None or not candidates.starts):
+            return state  # shorter than a block: nothing to find
         if self._lookups_in_flight >= self.config.max_lookups_in_flight:
             self.lookups_refused += 1
             return state  # computed: a request is never held for a lookup slot
         self.lookups += 1
         self._lookups_in_flight += 1
-        state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id)
+        state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id, candidates)
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         return state
 
-    def _pinned_lookup(self, spans: list[Any], lookup_id: str) -> tuple[int, list]:
-        """On a lookup thread: prefix tokens ready in CPU for `spans`, pinned (0: nothing
-        pinned, nothing to release), and the tiers they were found in."""
+    def _pinned_lookup(
+        self, spans: list[Any], lookup_id: str, tails: TailCandidates | None = None
+    ) -> tuple[int, list]:
+        """On a lookup thread: prefix tokens ready in CPU for `spans` (and one of `tails`
+        after them), pinned (0: nothing pinned, nothing to release), and the tiers they
+        were found in."""
+        timeout = self.config.lookup_timeout_ms / 1e3
         try:  # one manager round trip: prefetch, wait, and no pins left on a miss
-            return self._kv.fetch_spans(spans, lookup_id, self.config.lookup_timeout_ms / 1e3)
+            return self._kv.fetch_spans(spans, lookup_id, timeout, tails)
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []
@@ -371,24 +378,18 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             (state.deadline - time.monotonic()) * 1e3,
         )
         state.pinned = state.hit > 0
-        state.saved = state.hit
-        if self._tails:  # the view was stale or idle: its sets may still hold a partial chunk
-            self._add_tail(state)
+        state.saved = state.hit - state.hit % self._chunk  # a partial chunk is saved again
         return state.hit
 
     def _tails_of(self, request: Request) -> Callable[[int], list[Any]]:
         """The partial chunks of `request` that may follow its first n whole chunks."""
         return partial(tail_spans, self._kv, request, *self._tail_args)
 
-    def _add_tail(self, state: RequestState) -> None:
-        """Extend a manager lookup's hit (whole chunks, pinned) by the partial chunk after
-        it that the view's sets hold: read unpinned by the load (`CPUView.tail`)."""
-        found = self._view.tail(self._tails_of(state.request)(state.hit // self._chunk))
-        if found is not None:
-            span, tier = found
-            state.hit = span.end
-            add_source(state.sources, tier, span.end)
-            state.lower = tier != TIER_CPU
+    def _candidates(self, request: Request, num_computed: int) -> TailCandidates:
+        """The partial chunks a manager lookup may extend `request`'s hit by: those past
+        vLLM's own hit (a raykv hit short of it loads nothing)."""
+        args = (self._maker, request, *self._tail_args)
+        return tail_candidates(*args, num_computed // self._chunk)
 
     def _release(self, state: RequestState) -> None:
         """Release what `state`'s lookup pinned, now or (in flight) when its reply comes."""
@@ -416,6 +417,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             return False
         first = start // self._chunk
         mine = chunk_hashes(request, end, self._chunk, self._hash_block)[first:]
+        if end % self._chunk:  # a hit ending in a partial chunk
+            mine.append(tail_hash(request, end, self._hash_block))
         return any(not chunks.isdisjoint(mine) for chunks in self._loading.values())
 
     def update_state_after_alloc(
@@ -542,6 +545,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
                 spec = SaveSpec(req_id, [*hashes[:n], key], n * self._chunk, tail, blocks, tail)
                 meta.saves.append(spec)
                 self.fillers.saved([key])
+                if self._view is not None:  # a next turn meanwhile asks the manager
+                    self._view.saving([self._kv.hashed_spans([key], [tail])[0].key.chunk_hash])
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():

@@ -18,8 +18,8 @@ import xxhash
 
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError
-from raykv.keys import ChunkSpan
-from raykv.wire import TIER_CPU, TIER_DISK
+from raykv.keys import ChunkSpan, KeyMaker
+from raykv.wire import TIER_CPU, TIER_DISK, TailCandidates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -219,6 +219,21 @@ def tail_spans(
     return [ChunkSpan(start, s.end, s.key) for s in reversed(kv.hashed_spans(hashes, ends))]
 
 
+def tail_candidates(
+    maker: KeyMaker, request: Any, chunk: int, block: int, hash_block: int, first: int
+) -> TailCandidates:
+    """Every partial chunk that may hold `request`'s prefix past a whole-chunk hit of at
+    least `first` chunks, for a manager lookup (`KVCache.fetch_spans`' `tails`), which
+    keys (every rank's) and checks those starting where its whole chunks end: chunk by
+    chunk, longest first, as `tail_spans`. `maker`: rank 0's keys."""
+    limit = min((request.num_tokens - 1) // block * block, len(request.block_hashes) * hash_block)
+    ends = [e for e in range(first * chunk + block, limit + 1, block) if e % chunk]
+    ends.sort(key=lambda e: (e // chunk, -e))
+    hashes = maker.hashes_from_hashes([request.block_hashes[e // hash_block - 1] for e in ends])
+    model, world, _rank, dtype = maker.identity
+    return TailCandidates(model, world, dtype, [e // chunk * chunk for e in ends], ends, hashes)
+
+
 def prompt_tail(request: Any, chunk: int, block: int, hash_block: int) -> int:
     """Where the partial last chunk of `request`'s prompt ends (its last whole block), or
     0 when the prompt has none (it ends within its first block after a chunk's end)."""
@@ -293,6 +308,7 @@ __all__ = [
     "block_hashes_shared",
     "chunk_hashes",
     "prompt_tail",
+    "tail_candidates",
     "tail_hash",
     "tail_spans",
     "view_tiers",

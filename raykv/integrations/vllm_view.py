@@ -136,14 +136,16 @@ class CPUView:
         """The prefix tokens of `spans` (one rank's, in order) the tiers hold and where, as
         a lookup's sources (`[(tier, prefix tokens up to the end of its run)]`), counted
         in raykv's lookup metrics as a manager lookup would count them; None when the
-        sets are not known (`locate`). `tails(n)`: the partial chunks that may follow the
-        first n chunks held, longest first (`save_unfull_chunk`): the first one held ends
-        the hit."""
+        sets are not known (`locate`) or a partial chunk it would take is being saved.
+        `tails(n)`: the partial chunks that may follow the first n chunks held, longest
+        first (`save_unfull_chunk`): the first one held ends the hit."""
         where = self.locate([s.key.chunk_hash for s in spans])
         if where is None:
             return None
         found = list(zip(spans, where, strict=False))
         if tails is not None and (tail := self.tail(tails(len(where)))) is not None:
+            if tail[1] is None:
+                return None  # this engine is saving it: the manager may have it already
             found.append(tail)
         sources: list[tuple[str, int]] = []
         for span, tier in found:
@@ -158,19 +160,24 @@ class CPUView:
             low = high
         return hit, sources
 
-    def tail(self, spans: list[Any]) -> tuple[Any, str] | None:
+    def tail(self, spans: list[Any]) -> tuple[Any, str | None] | None:
         """The first of `spans` (a request's partial chunks, longest first) the sets hold,
-        and its tier; None if none, or the sets are not known. Freshness is not asked:
-        this also extends a manager lookup's hit (the view was stale or idle), and a
-        partial chunk read unpinned that is gone by then fails its load, which vLLM
-        recomputes, as any stale answer of the view."""
+        and its tier, or with tier None the first this engine is saving right now; None
+        if neither, or the sets are not known. A partial chunk read unpinned that is gone
+        by the load fails it, and vLLM recomputes it, as any stale answer of the view."""
         held = self._held  # one read: the poller may swap in new sets
         if held is None:
             return None
+        now = time.monotonic()
         for span in spans:
-            tier = next((t for t in self._tiers if span.key.chunk_hash in held[t]), None)
+            h = span.key.chunk_hash
+            tier = next((t for t in self._tiers if h in held[t]), None)
             if tier is not None:
                 return span, tier
+            with self._saving_lock:
+                planned = self._saving.get(h)
+            if planned is not None and now - planned < self._saving_s:
+                return span, None
         return None
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from raykv.keys import CacheKey, leading
 from raykv.tiers.index import PrefixIndex, Segment, tokens
-from raykv.wire import TIER_CPU, TIER_REMOTE, PeerTier, kind
+from raykv.wire import TIER_CPU, TIER_PEER, TIER_REMOTE, PeerTier, TailCandidates, kind
 
 
 class Need(enum.Enum):
@@ -139,6 +139,29 @@ class LookupPlan:
             self.segs.append((TIER_REMOTE, self.n, self.n + held))
         self.n += held
         return got
+
+    def with_tail(
+        self, index: PrefixIndex, tails: TailCandidates, tiers: Sequence[str]
+    ) -> LookupPlan:
+        """This plan extended by the first of `tails` that starts where its whole chunks
+        end and that `index` holds over `tiers`, every rank's key of it
+        (`save_unfull_chunk`: a chat's next turn loading its history to the block). The
+        result is planned afresh from the index, so a key that left meanwhile leaves this
+        plan as it is. A plan with a peer's segment is not extended (a peer is asked for
+        whole chunks only)."""
+        if any(kind(tier) == TIER_PEER for tier, _a, _b in self.segs):
+            return self
+        width = tails.world_size  # keys per chunk: one per rank
+        keep = self.n - self.n % width  # the whole chunks found, every rank's key
+        start = self.ends[keep - 1] if keep else 0
+        for keys, ends in tails.at(start):
+            extended = self.keys[:keep] + keys
+            segs, n = index.plan(extended, tiers)
+            if n == len(extended):
+                return LookupPlan(
+                    extended, self.ends[:keep] + ends, segs, n, False, False, self.remote_failed
+                )
+        return self
 
     def finish(self, index: PrefixIndex) -> tuple[int, int]:
         """Count the lookup in `index`; (hit tokens, miss tokens)."""

@@ -139,8 +139,9 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     view = sched._view
     saved: list[str] = []
     real_saving = view.saving
-    monkeypatch.setattr(view, "saving", lambda keys: (saved.extend(keys), real_saving(keys)))
-    cold = vt.run(llm, [PROMPTS["disk"]])[0]
+    with monkeypatch.context() as m:  # its chunks (not those of the run in stored_and_seen)
+        m.setattr(view, "saving", lambda keys: (saved.extend(keys), real_saving(keys)))
+        cold = vt.run(llm, [PROMPTS["disk"]])[0]
     stored_and_seen(llm, kv)
     # Out of the CPU tier, still on disk (saved there in the background: flushed above).
     keys = [CacheKey.of(view._identity, h) for h in saved]
@@ -195,8 +196,8 @@ def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, 
 
 def test_a_lookup_sent_to_the_manager_also_finds_the_partial_chunk(engine, monkeypatch):
     """The view cannot answer (stale, idle, or saving the first chunk missing): the
-    manager's lookup finds the whole chunks and the view's sets the partial one after
-    them, read unpinned by the load."""
+    lookup sends the candidate partial chunks with the whole ones, and the manager finds
+    and pins the partial one after them."""
     llm, kv = engine
     sched = vt.scheduler_connector(llm)
     turn = PROMPTS["turn-2"]

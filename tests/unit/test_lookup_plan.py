@@ -10,12 +10,22 @@ import time
 import pytest
 from raykv_testing import chunk_key
 
+from raykv.errors import InvalidInputError
+from raykv.keys import CacheKey, make_key
 from raykv.payload import PayloadMeta
 from raykv.tiers import breaker as br
 from raykv.tiers.breaker import Breaker, breaker_for
 from raykv.tiers.index import PrefixIndex
 from raykv.tiers.lookup import LookupPlan, Need
-from raykv.wire import TIER_CPU, TIER_DISK, TIER_REMOTE, ChunkRef, CPUAck, PeerTier
+from raykv.wire import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_REMOTE,
+    ChunkRef,
+    CPUAck,
+    PeerTier,
+    TailCandidates,
+)
 
 META = PayloadMeta("float16", (2, 1, 4, 8))
 key = functools.partial(chunk_key, dtype="float16")
@@ -105,6 +115,90 @@ def test_a_peer_answer_longer_than_the_missing_keys_is_clipped() -> None:
     plan = LookupPlan.start(index(cpu=KEYS[:4]), KEYS, ENDS, TIERS, peer=True, remote=False)
     plan.give_peer((PeerTier("m2"), 99))
     assert plan.n == 6 and plan.segs[-1][1:] == (4, 6)
+
+
+# ----- a partial chunk after the whole ones (`with_tail`, save_unfull_chunk) -----
+
+TAIL_LONG, TAIL_SHORT, TAIL_LATER = key(100), key(101), key(102)
+
+
+def tails(*candidates: tuple[int, int, CacheKey], world: int = 1) -> TailCandidates:
+    """Candidates (start, end, rank 0's key), as a lookup sends them."""
+    starts, ends, keys = zip(*candidates, strict=True) if candidates else ((), (), ())
+    hashes = [k.chunk_hash for k in keys]
+    return TailCandidates("m", world, "float16", list(starts), list(ends), hashes)
+
+
+# chunk 2's partial chunks longest first, then chunk 3's
+TAILS = tails((512, 704, TAIL_LONG), (512, 576, TAIL_SHORT), (768, 800, TAIL_LATER))
+
+
+def test_the_longest_partial_chunk_held_after_the_whole_chunks_extends_the_plan() -> None:
+    ix = index(cpu=[*KEYS[:2], TAIL_SHORT], disk=[TAIL_LONG, TAIL_LATER])
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS, remote=False).with_tail(ix, TAILS, TIERS)
+    assert plan.keys == [*KEYS[:2], TAIL_LONG] and plan.ends == [256, 512, 704]
+    assert plan.segs == [(TIER_CPU, 0, 2), (TIER_DISK, 2, 3)] and plan.hit_tokens == 704
+    assert plan.sources() == [(TIER_CPU, 512), (TIER_DISK, 704)]
+    shorter = index(cpu=[*KEYS[:2], TAIL_SHORT])
+    plan = LookupPlan.start(shorter, KEYS, ENDS, TIERS, remote=False)
+    assert plan.with_tail(shorter, TAILS, TIERS).hit_tokens == 576
+
+
+def test_no_partial_chunk_that_starts_elsewhere_or_is_not_held_is_taken() -> None:
+    ix = index(cpu=[*KEYS[:3], TAIL_LONG, TAIL_LATER])  # the hit ends at 768, not 512
+    plan = LookupPlan.start(ix, KEYS, ENDS, TIERS, remote=False)
+    chunk_2 = tails((512, 704, TAIL_LONG), (512, 576, TAIL_SHORT))
+    assert plan.with_tail(ix, chunk_2, TIERS) is plan and plan.hit_tokens == 768
+    assert plan.with_tail(ix, TAILS, TIERS).hit_tokens == 800
+    none = index(cpu=KEYS[:2])
+    plan = LookupPlan.start(none, KEYS, ENDS, TIERS, remote=False)
+    assert (
+        plan.with_tail(none, TAILS, TIERS) is plan and plan.with_tail(none, tails(), TIERS) is plan
+    )
+
+
+def test_a_partial_chunk_of_the_first_chunk_is_found_with_no_whole_chunk() -> None:
+    ix = index(cpu=[TAIL_SHORT])
+    plan = LookupPlan.start(ix, [], [], TIERS, remote=False)
+    assert plan.with_tail(ix, tails((0, 96, TAIL_SHORT)), TIERS).hit_tokens == 96
+
+
+def test_a_plan_with_a_peer_segment_is_not_extended() -> None:
+    ix = index(cpu=[*KEYS[:1], TAIL_SHORT])
+    plan = LookupPlan.start(ix, KEYS[:2], ENDS[:2], TIERS, peer=True, remote=False)
+    plan.give_peer((PeerTier("m2"), 1))
+    assert plan.with_tail(ix, TAILS, TIERS) is plan
+
+
+def test_with_several_ranks_a_partial_chunk_needs_every_ranks_key() -> None:
+    r0, r1 = ([make_key("m", 2, r, f"{i:032x}", "float16") for i in range(16)] for r in (0, 1))
+    keys = [r0[0], r1[0], r0[1], r1[1]]  # two chunks, rank 0 then rank 1 (`rank_spans`)
+    ends = [0, 256, 256, 512]
+    candidates = tails((256, 448, r0[10]), (256, 320, r0[11]), world=2)
+    ix = index(cpu=[r0[0], r1[0], r0[1], r0[10], r0[11], r1[11]])  # rank 1 lost chunk 1
+    plan = LookupPlan.start(ix, keys, ends, TIERS, remote=False)
+    assert plan.n == 3 and plan.hit_tokens == 256
+    got = plan.with_tail(ix, candidates, TIERS)  # chunk 1's rank-0 key dropped; 448 lacks rank 1
+    assert got.keys == [r0[0], r1[0], r0[11], r1[11]] and got.ends == [0, 256, 256, 320]
+    assert got.hit_tokens == 320
+
+
+def test_candidates_travel_as_a_plain_tuple_and_malformed_ones_are_refused() -> None:
+    assert TailCandidates.from_wire(TAILS.wire()) == TAILS
+    good = TAILS.wire()
+    bad_forms = [
+        None,
+        7,
+        good[:5],
+        ("m", 0, "float16", *good[3:]),  # no ranks
+        (*good[:3], [512], *good[4:]),  # one start for three candidates
+        (*good[:3], [512, 600, 768], *good[4:]),  # a start past its end
+        (*good[:3], ["0", 512, 768], *good[4:]),
+        (*good[:5], ["zz"] * 3),
+    ]
+    for bad in bad_forms:
+        with pytest.raises(InvalidInputError, match="tails"):
+            TailCandidates.from_wire(bad)
 
 
 # ----- the breaker -----

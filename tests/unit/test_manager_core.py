@@ -19,8 +19,9 @@ from raykv.actors import disk_store, tierset
 from raykv.actors.disk_store import DiskStoreActor
 from raykv.actors.manager_core import ManagerCore
 from raykv.config import RayKVConfig
-from raykv.keys import KeyMaker
-from raykv.wire import RetrieveResult
+from raykv.errors import InvalidInputError
+from raykv.keys import ChunkSpan, KeyMaker
+from raykv.wire import PackedSpans, RetrieveResult, TailCandidates
 
 C = 16  # chunk tokens
 
@@ -124,3 +125,44 @@ def test_a_chunk_gone_from_disk_ends_the_prefix_there_never_wrong_bytes(disk_onl
     result = run(scenario)
     assert len(result.chunks) == 1  # chunk 1 served; chunk 2 is a miss, so is chunk 3
     assert np.array_equal(result.chunks[0].ref.result()[0], chunks[0][1])
+
+
+def test_a_fetch_extends_its_whole_chunks_by_a_partial_chunk_from_the_candidates(disk_only):
+    """`save_unfull_chunk` without the vLLM scheduler's view: the lookup sends candidate
+    partial chunks, the manager takes the longest held right after the whole chunks
+    found, loads it with them, and a get serves it."""
+    maker = KeyMaker.from_config(disk_only)
+    whole = maker.keys_from_hashes([b"h1", b"h2", b"h3"], [C, 2 * C, 3 * C])
+    tail, other = maker.keys_from_hashes([b"t1", b"t2"], [2 * C + 8, 2 * C + 12])
+    tail, other = ChunkSpan(2 * C, tail.end, tail.key), ChunkSpan(2 * C, other.end, other.key)
+    chunks = [seeded_chunk(i) for i in range(3)]
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        stored = [*whole[:2], tail]  # chunk 3 was never stored; a partial chunk after 2
+        await core.put(stored, [m for m, _ in chunks], [[a for _, a in chunks]])
+        await core.flush(10)
+        model, world, _, dtype = maker.identity  # longest first: `other` is not held
+        hashes = [other.key.chunk_hash, tail.key.chunk_hash]
+        sent = TailCandidates(model, world, dtype, [2 * C] * 2, [other.end, tail.end], hashes)
+        found = await core.fetch("req-t", PackedSpans.of(whole).wire(), 5, None, sent.wire())
+        plain = await core.fetch("req-p", PackedSpans.of(whole).wire(), 5)
+        wire = await core.get([*whole[:2], tail], "req-t")
+        return found, plain, RetrieveResult.of(wire)
+
+    found, plain, result = run(scenario)
+    assert found == (2 * C + 8, [("disk", 2 * C + 8)])
+    assert plain == (2 * C, [("disk", 2 * C)])  # no candidates: whole chunks only
+    assert len(result.chunks) == 3 and result.hit_tokens == 2 * C + 8
+    for chunk, (_, want) in zip(result.chunks, chunks, strict=True):
+        assert np.array_equal(chunk.ref.result()[chunk.index], want)
+
+
+def test_a_fetch_with_malformed_candidates_is_refused(disk_only):
+    whole = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
+
+    async def scenario() -> Any:
+        return await ManagerCore(disk_only).fetch("req-b", whole, 5, None, ([0], whole, 3))
+
+    with pytest.raises(InvalidInputError, match="tails"):
+        run(scenario)

@@ -201,6 +201,37 @@ def test_a_prompts_partial_last_chunk_is_found_by_the_next_turn_that_extends_it(
     assert [(s.start, s.end) for s in wide] == [(0, 96), (0, 64), (0, 32)]
 
 
+def test_a_manager_lookup_sends_every_partial_chunk_a_hit_could_end_in():
+    """Without the view the manager picks the partial chunk: the lookup sends, chunk by
+    chunk from vLLM's own hit on, each chunk's partial chunks longest first (never at a
+    chunk's end or the last token) as chunk hashes, which key every rank's chunk alike."""
+    from raykv.integrations.vllm_setup import tail_candidates, tail_spans
+
+    kv = _Keys()
+    req = request(list(range(1, 3 * CHUNK + 41)))  # 232 tokens: blocks to 224
+    one = tail_candidates(kv.maker, req, CHUNK, BLOCK, BLOCK, 0)
+    assert list(zip(one.starts, one.ends, strict=True)) == [
+        (0, 32),
+        (64, 96),
+        (128, 160),
+        (192, 224),
+    ]
+    expected = tail_spans(kv, req, CHUNK, BLOCK, BLOCK, 2) + tail_spans(
+        kv, req, CHUNK, BLOCK, BLOCK, 3
+    )
+    assert one.hashes[2:] == [s.key.chunk_hash for s in expected]
+    assert one.at(128) == [([expected[0].key], [160])]
+    assert tail_candidates(kv.maker, req, CHUNK, BLOCK, BLOCK, 3).ends == [224]  # past vLLM's hit
+    wide = tail_candidates(kv.maker, req, 4 * BLOCK, BLOCK, BLOCK, 1)  # 128-token chunks
+    assert (wide.starts, wide.ends) == ([128] * 3, [224, 192, 160])
+    two = KeyMaker(chunk_size=CHUNK, model_name="m", world_size=2)
+    ranks = tail_candidates(two, req, CHUNK, BLOCK, BLOCK, 2)
+    rank1 = KeyMaker(chunk_size=CHUNK, model_name="m", world_size=2, worker_id=1)
+    keys, ends = ranks.at(128)[0]
+    assert [k.worker_id for k in keys] == [0, 1] and ends == [128, 160]  # as `rank_spans`
+    assert keys[1] == rank1.keys_from_hashes([bytes(req.block_hashes[4])], [160])[0].key
+
+
 def _scheduler(world_size: int, batches: int) -> object:
     """The scheduler side of a connector, without Ray or an engine: what planning the
     step's loads and saves reads (`batches`: steps vLLM schedules before an output)."""

@@ -194,6 +194,11 @@ def test_a_partial_chunk_after_the_whole_ones_held_ends_the_hit(view_of):
     cache.evict("t5", tier="disk")
     v._poll()
     assert v.hit(spans("a", "b", "c"), tails) == (8, [("cpu", 8)])
+    v.saving(["t6"])  # this engine is saving a partial chunk the hit would take: ask
+    assert v.hit(spans("a", "b", "c"), tails) is None
+    cache.admit("t6")
+    v._poll()
+    assert v.hit(spans("a", "b", "c"), tails) == (10, [("cpu", 10)])
     v._lost()  # not known: no answer at all, partial chunks included
     assert v.hit(spans("a"), tails) is None
 
