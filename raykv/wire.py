@@ -436,6 +436,10 @@ def split_spans(spans: Sequence[ChunkSpan] | PackedSpans) -> tuple[list[CacheKey
         ) from None
 
 
+MAX_TAIL_RANKS = 1024  # a lookup's ranks (TP x PP): each candidate is one key per rank
+MAX_TAIL_CANDIDATES = 1 << 16  # a 1M-token prompt in 16-token blocks
+
+
 @dataclass(frozen=True, slots=True)
 class TailCandidates:
     """The partial chunks a lookup's hit may end in (`save_unfull_chunk`: a prompt's
@@ -443,8 +447,9 @@ class TailCandidates:
     starts and ends and its chunk hash, which is the same on every rank (a rank's key is
     the hash with its `worker_id`). Within one start, longest first. The manager keys
     only the candidates starting where its whole-chunk hit ends (`at`): a lookup sends
-    hundreds of them, and building every rank's key of each would cost the sender more
-    than the rest of its lookup."""
+    one per block past vLLM's own hit (224 for 8k tokens in 32-token blocks; 0.15 ms to
+    build, against 0.6 ms for every rank's key of each), and the manager needs at most
+    a chunk's worth."""
 
     model_name: str
     world_size: int
@@ -474,10 +479,19 @@ class TailCandidates:
             raise InvalidInputError(f"tails must be TailCandidates.wire()'s tuple: {exc}") from None
         if not isinstance(starts, list | tuple) or len(starts) != len(ends):
             raise InvalidInputError("tails: one start per candidate")
+        if world > MAX_TAIL_RANKS or len(starts) > MAX_TAIL_CANDIDATES:
+            raise InvalidInputError(
+                f"tails: at most {MAX_TAIL_CANDIDATES} candidates of at most {MAX_TAIL_RANKS} "
+                f"ranks, got {len(starts)} of {world}"
+            )
         for start, end in zip(starts, ends, strict=True):
             if type(start) is not int or not 0 <= start < end:
                 raise InvalidInputError(f"tails: bad candidate span [{start!r}, {end!r})")
         return cls(model, world, dtype, list(starts), list(ends), list(hashes))
+
+    def identity(self, rank: int) -> KeyIdentity:
+        """The `CacheKey.identity` of `rank`'s keys of these candidates."""
+        return (self.model_name, self.world_size, rank, self.kv_dtype)
 
     def at(self, start: int) -> list[tuple[list[CacheKey], list[int]]]:
         """The candidates starting at token `start`, in the order sent, as the keys of

@@ -385,6 +385,8 @@ class ManagerCore:
         await self._ready()
         keys, ends = split_spans(spans)
         candidates = TailCandidates.from_wire(tails) if tails is not None else None
+        if candidates is not None and keys and keys[0].identity != candidates.identity(0):
+            raise InvalidInputError("tails: keyed for another model, world size or dtype")
         tiers = self._index.tiers_for(search_range)
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)

@@ -229,7 +229,7 @@ def tail_candidates(
     limit = min((request.num_tokens - 1) // block * block, len(request.block_hashes) * hash_block)
     ends = [e for e in range(first * chunk + block, limit + 1, block) if e % chunk]
     ends.sort(key=lambda e: (e // chunk, -e))
-    hashes = maker.hashes_from_hashes([request.block_hashes[e // hash_block - 1] for e in ends])
+    hashes = maker.hashes_from_hashes([tail_hash(request, e, hash_block) for e in ends])
     model, world, _rank, dtype = maker.identity
     return TailCandidates(model, world, dtype, [e // chunk * chunk for e in ends], ends, hashes)
 

@@ -186,10 +186,13 @@ class PrefixIndex:
                 pos = end
         return segs, pos
 
-    def count_lookup(self, segs: list[Segment], ends: list[int], n: int) -> tuple[int, int]:
-        """Record a lookup's outcome; (hit tokens, miss tokens)."""
+    def count_lookup(
+        self, segs: list[Segment], ends: list[int], n: int, asked: int | None = None
+    ) -> tuple[int, int]:
+        """Record a lookup's outcome; (hit tokens, miss tokens). `asked`: the tokens it
+        asked for, where `ends` no longer says (a plan cut short by a partial chunk)."""
         hit = tokens(ends, n)
-        miss = tokens(ends, len(ends)) - hit
+        miss = max(tokens(ends, len(ends)), asked or 0) - hit
         self.counts["lookups"] += 1
         self.counts["hit_tokens"] += hit
         self.counts["miss_tokens"] += miss

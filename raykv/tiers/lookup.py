@@ -50,6 +50,8 @@ from raykv.keys import CacheKey, leading
 from raykv.tiers.index import PrefixIndex, Segment, tokens
 from raykv.wire import TIER_CPU, TIER_PEER, TIER_REMOTE, PeerTier, TailCandidates, kind
 
+MAX_TAIL_PLANS = 8  # held partial chunks a lookup tries to plan after its whole chunks
+
 
 class Need(enum.Enum):
     """What a lookup plan still needs before it can finish."""
@@ -71,6 +73,7 @@ class LookupPlan:
     ask_peer: bool
     ask_remote: bool
     remote_failed: bool = False
+    asked: int | None = None  # tokens asked for, where `ends` was cut (`with_tail`)
 
     @classmethod
     def start(
@@ -154,18 +157,24 @@ class LookupPlan:
         width = tails.world_size  # keys per chunk: one per rank
         keep = self.n - self.n % width  # the whole chunks found, every rank's key
         start = self.ends[keep - 1] if keep else 0
+        plans = MAX_TAIL_PLANS
         for keys, ends in tails.at(start):
+            if index.plan(keys, tiers)[1] < len(keys):
+                continue  # not held: checked alone first, the full plan only if it is
             extended = self.keys[:keep] + keys
-            segs, n = index.plan(extended, tiers)
+            segs, n = index.plan(extended, tiers)  # the tiers in order, as for whole chunks
             if n == len(extended):
-                return LookupPlan(
-                    extended, self.ends[:keep] + ends, segs, n, False, False, self.remote_failed
-                )
+                asked = max(tokens(self.ends, len(self.ends)), ends[-1])
+                args = (segs, n, False, False, self.remote_failed, asked)
+                return LookupPlan(extended, self.ends[:keep] + ends, *args)
+            plans -= 1
+            if not plans:
+                break
         return self
 
     def finish(self, index: PrefixIndex) -> tuple[int, int]:
         """Count the lookup in `index`; (hit tokens, miss tokens)."""
-        return index.count_lookup(self.segs, self.ends, self.n)
+        return index.count_lookup(self.segs, self.ends, self.n, self.asked)
 
     @property
     def hit_tokens(self) -> int:

@@ -139,6 +139,7 @@ def test_the_longest_partial_chunk_held_after_the_whole_chunks_extends_the_plan(
     assert plan.keys == [*KEYS[:2], TAIL_LONG] and plan.ends == [256, 512, 704]
     assert plan.segs == [(TIER_CPU, 0, 2), (TIER_DISK, 2, 3)] and plan.hit_tokens == 704
     assert plan.sources() == [(TIER_CPU, 512), (TIER_DISK, 704)]
+    assert plan.finish(ix) == (704, 1536 - 704)  # the whole chunks after it still count
     shorter = index(cpu=[*KEYS[:2], TAIL_SHORT])
     plan = LookupPlan.start(shorter, KEYS, ENDS, TIERS, remote=False)
     assert plan.with_tail(shorter, TAILS, TIERS).hit_tokens == 576
@@ -195,6 +196,8 @@ def test_candidates_travel_as_a_plain_tuple_and_malformed_ones_are_refused() -> 
         (*good[:3], [512, 600, 768], *good[4:]),  # a start past its end
         (*good[:3], ["0", 512, 768], *good[4:]),
         (*good[:5], ["zz"] * 3),
+        ("m", 1 << 40, "float16", *good[3:]),  # a world that size would hang the manager
+        (*good[:3], [0] * (1 << 17), [8] * (1 << 17), ["0" * 32] * (1 << 17)),
     ]
     for bad in bad_forms:
         with pytest.raises(InvalidInputError, match="tails"):

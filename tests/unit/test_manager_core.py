@@ -166,3 +166,11 @@ def test_a_fetch_with_malformed_candidates_is_refused(disk_only):
 
     with pytest.raises(InvalidInputError, match="tails"):
         run(scenario)
+    model, world, _, dtype = whole[0].key.identity
+    other = TailCandidates(model, world + 1, dtype, [C], [C + 8], ["0" * 32]).wire()
+
+    async def another_world() -> Any:
+        return await ManagerCore(disk_only).fetch("req-w", whole, 5, None, other)
+
+    with pytest.raises(InvalidInputError, match="another model, world size or dtype"):
+        run(another_world)
