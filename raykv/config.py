@@ -122,6 +122,7 @@ class RayKVConfig:
     lookup_view: bool = True  # vLLM connector: lookups answered from a copy of the CPU keys
     sync_load_max_bytes: int = 33554432  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
+    save_after_step: bool = True  # vLLM connector, CPU engine: blocks copied out after the step
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:

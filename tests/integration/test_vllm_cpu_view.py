@@ -38,6 +38,7 @@ PROMPTS = {
     "turn-2": vt.prompt(47, 3 * vt.CHUNK + 45),
     "turn-3": vt.prompt(49, 3 * vt.CHUNK + 45),
     "turn-4": vt.prompt(51, 3 * vt.CHUNK + 45),
+    "reused": vt.prompt(52, 3 * vt.CHUNK + 8),
 }
 
 
@@ -72,8 +73,13 @@ def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
     assert kv.flush(60)
     view = vt.scheduler_connector(llm)._view
     deadline = time.monotonic() + 20
-    while view._saving:  # a planned save leaves once the view sees the tier admit it
-        assert time.monotonic() < deadline, (list(view._saving), view.resyncs, view._cursor)
+    while planned := [  # a planned save leaves once the view sees the tier admit it, or
+        # is ignored after `saving_s` (one never made: a block met a failed load lately)
+        h
+        for h, t in list(view._saving.items())
+        if time.monotonic() - t < view._saving_s
+    ]:
+        assert time.monotonic() < deadline, (planned, view.resyncs, view._cursor)
         time.sleep(0.02)
     assert llm.reset_prefix_cache()
     vt.run(llm, [PROMPTS["other"]], max_tokens=1)
@@ -272,3 +278,37 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     again = vt.run(llm, [nxt])[0]
     assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK  # 0-2 and the partial chunk, not 3
     vt.assert_same_output(again, cold)
+
+
+def test_a_step_reusing_a_block_waits_for_its_deferred_save_copy(engine, monkeypatch):
+    """Saves copy the blocks after the step (`save_after_step`). With that copy slowed
+    down, a request's blocks are freed and taken by later requests before it ran:
+    their first step waits for it, and what was stored is the request's own KV (a later
+    hit gives the cold run's tokens and logprobs), not theirs."""
+    llm, kv = engine
+    worker = vt.worker_connector()
+    assert worker._gatherer is not None  # CPU engine, the default
+    prompt = PROMPTS["reused"]
+    cold = vt.run(llm, [prompt], salt="cold")[0]  # keyed apart: computed, stored apart
+    stored_and_seen(llm, kv)
+    real = worker._pages.save_batch
+
+    def slow(*args: Any) -> Any:
+        time.sleep(3.0)
+        return real(*args)
+
+    waits = worker.waits_for_gather
+    with monkeypatch.context() as m:
+        m.setattr(worker._pages, "save_batch", slow)
+        vt.run(llm, [prompt], max_tokens=1)  # stores its 3 chunks; the copy is slow
+        assert llm.reset_prefix_cache()
+        # 3 x 60 blocks, two at a time: more than the pool's 127, which vLLM hands out
+        # oldest freed first, so the prompt's blocks are taken again, within the copy's 3 s.
+        fillers = [vt.prompt(53 + i, 1900) for i in range(3)]
+        vt.run(llm, fillers, max_tokens=1)
+        worker.flush()
+    assert worker.waits_for_gather > waits  # a block of the slow copy was reused
+    stored_and_seen(llm, kv)
+    warm = vt.run(llm, [prompt])[0]
+    assert warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, cold)
