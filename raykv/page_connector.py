@@ -177,8 +177,16 @@ class PageConnector:
     def _gather(self, idx: torch.Tensor, host: torch.Tensor) -> None:
         """Copy blocks `idx` of every layer into `host` ([num_layers, len(idx), *block])."""
         if self.device.type == "cpu":
+            # numpy's copy runs on the calling thread alone (as `load`'s): a save thread
+            # copying beside the forward pass starts no second OpenMP team to fight it.
+            rows = idx.numpy()
             for i, layer in enumerate(self.layers):
-                torch.index_select(layer, 0, idx, out=host[i])
+                view = self._rows_view(layer)
+                if view is None:
+                    torch.index_select(layer, 0, idx, out=host[i])
+                    continue
+                out = host[i].view(torch.uint8).numpy().reshape(len(rows), -1)
+                np.take(view, rows, axis=0, out=out, mode="clip")  # ids checked: no clipping
         else:  # blocking, on the current stream: `save_batch` is the engine's path
             idx = idx.to(self.device)
             host.copy_(torch.stack([layer.index_select(0, idx) for layer in self.layers]))

@@ -64,7 +64,7 @@ class WorkerSide:
             with self._pending_lock:
                 self._buffers.alloc = pinned_buffer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-save")
-        if not pages.batched and self.config.save_after_step:  # CPU: copies after the step
+        if pages.device.type == "cpu" and self.config.save_after_step:  # copies after the step
             self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-gather")
         # The loader's copies use no torch thread pool (PageConnector.load copies with
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own
@@ -73,7 +73,10 @@ class WorkerSide:
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Before this step writes a block (vLLM calls this before the step's loads and
-        forward): the deferred save copies reading a block it may write end first."""
+        forward): the deferred save copies reading a block it may write end first.
+        vLLM's V2 model runner calls it after its own per-step block updates (zeroing new
+        blocks, copy-on-write), which apply only to layouts raykv refuses (several KV
+        cache groups, Mamba layers): with V2 and such a layout this would come late."""
         gathers = self._gathers
         while gathers and gathers[0][1].done():
             gathers.popleft()
@@ -234,11 +237,15 @@ class WorkerSide:
         sizes = [(s.end - s.start) // bs for s in spans]
         job = (spec.req_id, blocks, sizes, spans, buffers, nbytes, prefix)
         if self._gatherer is None:  # CUDA: the step only queues the gather on a stream
-            self._gather(*job)
-            return nbytes
+            return nbytes if self._gather(*job) else 0
         while self._gathers and self._gathers[0][1].done():  # also where vLLM never asks
             self._gathers.popleft()
-        self._gathers.append((frozenset(blocks), self._gatherer.submit(self._gather, *job)))
+        try:
+            future = self._gatherer.submit(self._gather, *job)
+        except RuntimeError:  # shut down meanwhile
+            self._done_with(buffers, nbytes)
+            return 0
+        self._gathers.append((frozenset(blocks), future))
         return nbytes
 
     def _gather(
@@ -250,20 +257,26 @@ class WorkerSide:
         buffers: list[np.ndarray],
         nbytes: int,
         prefix: list[Any],
-    ) -> None:
+    ) -> bool:
         """Copy the chunks out of the blocks into `buffers` (on CPU, on the gather
-        thread) and hand them to the saver thread."""
+        thread) and hand them to the saver thread; False (logged, the buffers given back)
+        if that failed. Never raises: `handle_preemptions` may wait on it in a step."""
         t0 = time.perf_counter()
         try:
             metas, copied = self._pages.save_batch(blocks, sizes, buffers)
-        except (InvalidInputError, RuntimeError) as exc:
+            if copied is DONE:
+                self.gather_log.append((nbytes, time.perf_counter() - t0))
+            self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix, copied)
+        except (InvalidInputError, RuntimeError) as exc:  # bad ids, a saver shut down
             logger.warning("raykv save of %s skipped: %s", req_id, exc)
             self._done_with(buffers, nbytes)
-            return
+            return False
+        except Exception:  # a save must never take the engine down
+            logger.exception("raykv save of %s failed", req_id)
+            self._done_with(buffers, nbytes)
+            return False
         self.saved_chunks += len(spans)  # one writer: the gather thread (CUDA: the step)
-        if copied is DONE:
-            self.gather_log.append((nbytes, time.perf_counter() - t0))
-        self._saver.submit(self._put, spans, buffers, metas, nbytes, prefix, copied)
+        return True
 
     def _put(
         self,
