@@ -47,7 +47,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "raykv_connector_waits": (
         "counter",
-        "Engine steps a vLLM request waited on raykv: for its lookup or for a load in flight.",
+        "Engine steps that waited on raykv: a vLLM request for its lookup or for a load in "
+        "flight; a worker's step for a save's copy of a block it reuses (save_copy).",
         ("reason",),
     ),
     "raykv_connector_loads": (

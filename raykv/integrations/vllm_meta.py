@@ -199,6 +199,7 @@ COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
 WORKER_COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "loaded_tokens": ("raykv_connector_load_tokens", {"result": "loaded"}),
     "failed_tokens": ("raykv_connector_load_tokens", {"result": "failed"}),
+    "waits_for_gather": ("raykv_connector_waits", {"reason": "save_copy"}),
 }
 
 

@@ -73,12 +73,13 @@ def test_worker_counters_reach_metrics_as_loaded_and_failed_tokens(monkeypatch):
     monkeypatch.setattr(metrics, "inc", lambda n, v, **tags: recorded.append((n, v, tags)))
 
     class Worker:
-        loaded_tokens, failed_tokens = 0, 0
+        loaded_tokens, failed_tokens, waits_for_gather = 0, 0, 0
 
     w, export = Worker(), CounterExport(WORKER_COUNTER_METRICS)
-    w.loaded_tokens, w.failed_tokens = 512, 64
+    w.loaded_tokens, w.failed_tokens, w.waits_for_gather = 512, 64, 2
     export.export(w)
     assert recorded == [
         ("raykv_connector_load_tokens", 512, {"result": "loaded"}),
         ("raykv_connector_load_tokens", 64, {"result": "failed"}),
+        ("raykv_connector_waits", 2, {"reason": "save_copy"}),
     ]
