@@ -379,6 +379,18 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     )
     base = per.get("vllm")
     med = statistics.median
+
+    def ms_row(name: str, seconds: list[float], baseline: str, base_ms: float) -> None:
+        """A row of `seconds` (median, min-max) in ms against `base_ms` of `baseline`."""
+        summary.row(
+            name,
+            med(seconds) * 1e3,
+            "ms",
+            baseline,
+            base_ms,
+            value_range=(min(seconds) * 1e3, max(seconds) * 1e3),
+        )
+
     fill, instep = results.get("fill-cpu", {}), results.get("fill-cpu-instep", {})
     for label, rows in (
         ("in-step save of a prefilled document", fill.get("saves", [])),
@@ -389,47 +401,39 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         if not rows:
             continue
         mib = med([b for b, _, _ in rows]) / 2**20
-        summary.row(
+        ms_row(
             f"{label} ({mib:.0f} MiB, {len(rows)} steps)",
-            med([t for _, t, _ in rows]) * 1e3,
-            "ms",
+            [t for _, t, _ in rows],
             "memcpy of the same bytes, warm buffers",
             med([m for _, _, m in rows]) * 1e3,
-            value_range=(min(t for _, t, _ in rows) * 1e3, max(t for _, t, _ in rows) * 1e3),
         )
     saves = fill.get("saves", [])[1:]
     if saves:
         ratio = med([t / m for _, t, m in saves])
         summary.goal("in-step save cost <= 1.2x a memcpy", round(ratio, 2), ratio <= 1.2)
     if fill.get("prefills") and instep.get("prefills"):
-        summary.row(
+        ms_row(
             f"{args.length}-token prefill with saves, copies after the step",
-            med(fill["prefills"]) * 1e3,
-            "ms",
+            fill["prefills"],
             "the same, copies in the step",
             med(instep["prefills"]) * 1e3,
-            value_range=(min(fill["prefills"]) * 1e3, max(fill["prefills"]) * 1e3),
         )
     for source in ("cpu", "disk", "redis"):
         a, s = per.get(f"{source}-async"), per.get(f"{source}-sync")
         for mode, m in (("async", a), ("sync", s)):
             if m and base:
-                summary.row(
+                ms_row(
                     f"{args.length}: ITL p99, {source} {mode} load",
-                    med(m["p99"]) * 1e3,
-                    "ms",
+                    m["p99"],
                     "vLLM prefix-cache hit",
                     med(base["p99"]) * 1e3,
-                    value_range=(min(m["p99"]) * 1e3, max(m["p99"]) * 1e3),
                 )
         if a and s:
-            summary.row(
+            ms_row(
                 f"{args.length}: TTFT, {source} async load",
-                med(a["ttft"]) * 1e3,
-                "ms",
+                a["ttft"],
                 f"{source} sync load + one step",
                 (med(s["ttft"]) + med(s["step"])) * 1e3,
-                value_range=(min(a["ttft"]) * 1e3, max(a["ttft"]) * 1e3),
             )
             summary.goal(
                 f"{source}: async TTFT <= sync TTFT + one engine step",

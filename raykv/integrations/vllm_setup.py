@@ -207,16 +207,24 @@ def tail_spans(
     block hash at e. `save_unfull_chunk` stores a prompt's partial last chunk so
     (`prompt_tail`): the next turn of a chat, which extends that prompt, finds it."""
     start = first * chunk
-    limit = min(
-        start + chunk - block,
-        (request.num_tokens - 1) // block * block,
-        len(request.block_hashes) * hash_block // block * block,
-    )
-    ends = list(range(start + block, limit + 1, block))
+    ends = tail_ends(request, chunk, block, hash_block, first, first + 1)
     if not ends:
         return []
-    hashes = [bytes(request.block_hashes[e // hash_block - 1]) for e in ends]
+    hashes = [tail_hash(request, e, hash_block) for e in ends]
     return [ChunkSpan(start, s.end, s.key) for s in reversed(kv.hashed_spans(hashes, ends))]
+
+
+def tail_ends(
+    request: Any, chunk: int, block: int, hash_block: int, first: int, stop: int | None = None
+) -> list[int]:
+    """Where a partial chunk of `request` may end in chunks `first` .. `stop` - 1 (all
+    from `first` without `stop`), ascending: every block end inside them that vLLM could
+    take as a hit (before the request's last token, within its block hashes), never a
+    chunk's end."""
+    limit = min((request.num_tokens - 1) // block * block, len(request.block_hashes) * hash_block)
+    if stop is not None:
+        limit = min(limit, stop * chunk - 1)
+    return [e for e in range(first * chunk + block, limit + 1, block) if e % chunk]
 
 
 def tail_candidates(
@@ -226,8 +234,7 @@ def tail_candidates(
     least `first` chunks, for a manager lookup (`KVCache.fetch_spans`' `tails`), which
     keys (every rank's) and checks those starting where its whole chunks end: chunk by
     chunk, longest first, as `tail_spans`. `maker`: rank 0's keys."""
-    limit = min((request.num_tokens - 1) // block * block, len(request.block_hashes) * hash_block)
-    ends = [e for e in range(first * chunk + block, limit + 1, block) if e % chunk]
+    ends = tail_ends(request, chunk, block, hash_block, first)
     ends.sort(key=lambda e: (e // chunk, -e))
     hashes = maker.hashes_from_hashes([tail_hash(request, e, hash_block) for e in ends])
     model, world, _rank, dtype = maker.identity

@@ -108,12 +108,15 @@ class CPUView:
             if tier is None:
                 break
             where.append(tier)
-        if len(where) < len(chunk_hashes):
-            with self._saving_lock:
-                planned = self._saving.get(chunk_hashes[len(where)])
-            if planned is not None and now - planned < self._saving_s:
-                return None  # this engine is saving it: the tier may have it already
+        if len(where) < len(chunk_hashes) and self._being_saved(chunk_hashes[len(where)], now):
+            return None  # this engine is saving it: the tier may have it already
         return where
+
+    def _being_saved(self, chunk_hash: str, now: float) -> bool:
+        """Whether this engine planned the save of `chunk_hash` within `saving_s`."""
+        with self._saving_lock:
+            planned = self._saving.get(chunk_hash)
+        return planned is not None and now - planned < self._saving_s
 
     def saving(self, chunk_hashes: list[str]) -> None:
         """This engine planned the save of these chunks: until the tier is seen admitting
@@ -174,9 +177,7 @@ class CPUView:
             tier = next((t for t in self._tiers if h in held[t]), None)
             if tier is not None:
                 return span, tier
-            with self._saving_lock:
-                planned = self._saving.get(h)
-            if planned is not None and now - planned < self._saving_s:
+            if self._being_saved(h, now):
                 return span, None
         return None
 
