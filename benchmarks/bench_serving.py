@@ -30,7 +30,11 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   `B-unfull-noview` and `D-unfull` (Redis only): the same, found by the manager;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
-  (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer); and
+  (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer),
+  `2-events` (raykv's `EventsRouter`: what a KV-aware router does with the engines' KV
+  events, vLLM's blocks and raykv's, raykv's counted for every replica) and
+  `2-events-vllm` (the same router reading vLLM's own events only: what Ray Serve LLM's
+  `KVAwareRouter` would see of an engine whose connector reported nothing); and
   `2-A+` (two plain replicas with enlarged pools, Serve's default routing);
 * `E`: LMCache, vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector`: tried (full
   run only) and reported N/A with the reason this machine gave.
@@ -110,6 +114,8 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "2-pow2": (2, "pow2", "cpu", False),
     "2-affinity": (2, "prefix_affinity", "cpu", False),
     "2-raykv": (2, "cache_aware", "cpu", False),
+    "2-events": (2, "events", "cpu", False),
+    "2-events-vllm": (2, "events", "cpu", False),
     "B-wait0": (1, "pow2", "cpu", False),
     "B-inline4": (1, "pow2", "cpu", False),
     "B-noview": (1, "pow2", "cpu", False),
@@ -218,7 +224,9 @@ def llm_config(
         # The router's key fields (the namespace matters only to CacheAwareRouter's
         # controller, off here; a plain-vLLM arm has none).
         cfg = raykv.RayKVConfig(chunk_size=CHUNK, namespace=namespace or "bench-no-raykv")
-        options = {"tokenizer": model} if router == "cache_aware" else None
+        options = {"tokenizer": model} if router in ("cache_aware", "events") else None
+        if arm == "2-events-vllm":
+            options = {"tokenizer": model, "raykv_events": False}
         deployment["request_router_config"] = router_config(router, cfg, options=options)
     env_vars = {"VLLM_CPU_OMP_THREADS_BIND": args.engine_cores}
     if trace_dir:
@@ -227,8 +235,14 @@ def llm_config(
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         env_vars[ENV] = str(Path(trace_dir).resolve() / arm)
         env_vars["PYTHONPATH"] = str(ROOT)
+    server_cls = None
+    if router == "events":  # the engines publish their KV events for the router
+        from raykv.integrations.serve_llm import EventsServer
+
+        server_cls = EventsServer
     return LLMConfig(
         model_loading_config={"model_id": MODEL_ID, "model_source": model},
+        server_cls=server_cls,
         engine_kwargs=engine,
         accelerator_config={"kind": "cpu"},
         deployment_config=deployment,

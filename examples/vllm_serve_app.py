@@ -43,9 +43,14 @@ def llm_config(
     chunk_size: int = 256,
     gpu: bool = False,
     raykv_settings: dict[str, Any] | None = None,
+    events: bool = False,
     **engine_kwargs: Any,
 ) -> Any:
-    """A Ray Serve LLM config whose vLLM engines use raykv (namespace shared by replicas)."""
+    """A Ray Serve LLM config whose vLLM engines use raykv (namespace shared by replicas).
+
+    `router="events"` (or `events=True`) runs each replica as raykv's `EventsServer`: its
+    engine publishes vLLM's KV events and raykv's, which raykv's `EventsRouter` routes by.
+    """
     from ray.serve.llm import LLMConfig
 
     import raykv
@@ -68,8 +73,14 @@ def llm_config(
     if replicas > 1:
         config = raykv.RayKVConfig(chunk_size=chunk_size, namespace=namespace)
         deployment["request_router_config"] = router_config(router, config)
+    server_cls = None
+    if events or router == "events":
+        from raykv.integrations.serve_llm import EventsServer
+
+        server_cls = EventsServer
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model},
+        server_cls=server_cls,
         engine_kwargs={
             "block_size": 32 if not gpu else 16,  # vLLM's CPU backend needs a multiple of 32
             "enforce_eager": True,
@@ -127,7 +138,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model path or id (default: a tiny random Llama)")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--router", default="cache_aware", choices=["cache_aware", "pow2"])
+    parser.add_argument(
+        "--router", default="cache_aware", choices=["cache_aware", "events", "pow2"]
+    )
     parser.add_argument("--namespace", default="raykv-serve-llm")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--gpu", action="store_true", help="GPU replicas (default: CPU)")

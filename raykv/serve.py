@@ -65,8 +65,9 @@ from raykv.tiers.budget import BoundedKeySet
 
 logger = logging.getLogger(__name__)
 
-RouterName = Literal["cache_aware", "prefix_affinity", "pow2", "random"]
+RouterName = Literal["cache_aware", "events", "prefix_affinity", "pow2", "random"]
 STATS_KEY = "raykv_prefixes"  # routing-stats field: the replica's recent chunk-hash ids
+EVENTS_STATS_KEY = "raykv_kv_events"  # routing-stats field: the engine's KV-event endpoint
 DEFAULT_SUMMARY_SIZE = 4096  # chunk ids per replica summary (8 bytes each on the wire)
 
 
@@ -153,6 +154,35 @@ def rank_by_prefix(
     if len(rest) > 2:
         ranks.append(rest[2:])
     return ranks
+
+
+def rank_by_blocks(
+    index: Any,
+    request_ids: Sequence[int],
+    replicas: Sequence[Hashable],
+    queue_lens: Mapping[Hashable, int | None],
+    *,
+    raykv_events: bool = True,
+    imbalance_threshold: int = 4,
+    min_match_blocks: int = 1,
+    min_match_ratio: float = 0.5,
+) -> list[list[Hashable]]:
+    """`rank_by_prefix` over the blocks a `raykv.events_index.BlockIndex` says each replica
+    can serve: its own engine's, or raykv's (every replica's) when `raykv_events`; ties
+    go to the replica whose own engine holds more."""
+    own, shared = index.matches(request_ids, replicas) if request_ids else ({}, 0)
+    if not raykv_events:
+        shared = 0
+    return rank_by_prefix(
+        request_ids,
+        replicas,
+        {r: max(own.get(r, 0), shared) for r in replicas},
+        queue_lens,
+        imbalance_threshold=imbalance_threshold,
+        min_match_chunks=min_match_blocks,
+        min_match_ratio=min_match_ratio,
+        tiebreak=own,
+    )
 
 
 def request_tokens(pending: PendingRequest | None, tokenizer: Any = None) -> Any:
@@ -349,6 +379,104 @@ class CacheAwareRouter(RequestRouter):
         self._reported.pop(replica_id, None)
 
 
+class EventsRouter(RequestRouter):
+    """Longest-cached-prefix routing from the engines' own KV events (vLLM's and raykv's).
+
+    What a KV-aware router such as Ray Serve LLM's `KVAwareRouter` does, without its
+    `ai-dynamo` dependency: each replica (`raykv.integrations.serve_llm.EventsServer`)
+    advertises its engine's KV-event endpoint in its routing stats; this router
+    subscribes to each (`raykv.events_index.EventSubscriber`), keeps which blocks every
+    engine's pool holds and which raykv's CPU tier holds, and ranks replicas by the
+    leading blocks of the request each could serve without computing them: its own
+    pool's, or raykv's (any replica can load those) when `raykv_events` is true. Ties go
+    to the replica whose own pool holds more (no load at all); a preferred replica much
+    busier than the least loaded one, or no match, falls back to power-of-two choices
+    (`rank_by_prefix`). `tokenizer` (the model's) lets it route text prompts.
+    """
+
+    def initialize_state(
+        self,
+        tokenizer: str | None = None,
+        raykv_events: bool = True,
+        imbalance_threshold: int = 4,
+        min_match_blocks: int = 1,
+        min_match_ratio: float = 0.5,
+        max_blocks: int = 1 << 20,
+    ) -> None:
+        from raykv.events_index import BlockIndex
+
+        self._tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        self._raykv_events = raykv_events
+        self._imbalance = imbalance_threshold
+        self._min_match = min_match_blocks
+        self._min_ratio = min_match_ratio
+        self.index = BlockIndex(max_blocks)
+        self._subscriber: Any = None
+        self._endpoints: dict[Any, str] = {}
+        self._tokens: OrderedDict[str, Any] = OrderedDict()  # per pending request
+
+    def _watch(self, replicas: Sequence[RunningReplica]) -> None:
+        """Subscribe to the endpoints the replicas advertise (new or changed ones)."""
+        endpoints = dict(self._endpoints)
+        for replica in replicas:
+            endpoint = (replica.routing_stats or {}).get(EVENTS_STATS_KEY)
+            if isinstance(endpoint, str) and endpoint:
+                endpoints[replica.replica_id] = endpoint
+        if endpoints != self._endpoints:
+            self._endpoints = endpoints
+            if self._subscriber is None:
+                from raykv.events_index import EventSubscriber
+
+                self._subscriber = EventSubscriber(self.index)
+            self._subscriber.watch(endpoints)
+
+    def _request_ids(self, pending: PendingRequest | None) -> list[int]:
+        if pending is None:
+            return []
+        rid = pending.metadata.internal_request_id
+        tokens = self._tokens.get(rid)
+        if tokens is None:
+            tokens = request_tokens(pending, self._tokenizer) or []
+            self._tokens[rid] = tokens
+            while len(self._tokens) > 1024:
+                self._tokens.popitem(last=False)
+        try:
+            return self.index.request_ids(tokens)
+        except Exception:  # a malformed request is the replica's to reject, not ours
+            return []
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        self._watch(candidate_replicas)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranks = rank_by_blocks(
+            self.index,
+            self._request_ids(pending_request),
+            list(by_id),
+            {rid: self.replica_queue_len_cache.get(rid) for rid in by_id},
+            raykv_events=self._raykv_events,
+            imbalance_threshold=self._imbalance,
+            min_match_blocks=self._min_match,
+            min_match_ratio=self._min_ratio,
+        )
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any):
+        self._tokens.pop(pending_request.metadata.internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._endpoints.pop(replica_id, None)
+        if self._subscriber is not None:
+            self._subscriber.watch(self._endpoints)
+        self.index.forget(replica_id)
+
+
 class RandomRouter(FIFOMixin, RequestRouter):
     """A uniformly random replica (then the others, if it is full): a routing baseline."""
 
@@ -362,6 +490,13 @@ class RandomRouter(FIFOMixin, RequestRouter):
         order = list(candidate_replicas)
         random.shuffle(order)
         return [[r] for r in order]
+
+
+def _check_options(router: type, options: dict[str, Any] | None) -> None:
+    known = set(inspect.signature(router.initialize_state).parameters) - {"self"}
+    unknown = sorted(set(options or {}) - known)
+    if unknown:
+        raise InvalidInputError(f"unknown router options {unknown}; known: {sorted(known)}")
 
 
 def router_config(
@@ -392,10 +527,7 @@ def router_config(
             request_routing_stats_period_s=stats_period_s,
         )
     if router == "cache_aware":
-        known = set(inspect.signature(CacheAwareRouter.initialize_state).parameters) - {"self"}
-        unknown = sorted(set(options or {}) - known)
-        if unknown:
-            raise InvalidInputError(f"unknown router options {unknown}; known: {sorted(known)}")
+        _check_options(CacheAwareRouter, options)
         return RequestRouterConfig(
             request_router_class=CacheAwareRouter,
             request_router_kwargs={
@@ -416,18 +548,29 @@ def router_config(
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(stats_period_s, 5.0),
         )
+    if router == "events":  # replicas must run `raykv.integrations.serve_llm.EventsServer`
+        _check_options(EventsRouter, options)
+        return RequestRouterConfig(
+            request_router_class=EventsRouter,
+            request_router_kwargs={"imbalance_threshold": imbalance_threshold, **(options or {})},
+            request_routing_stats_period_s=stats_period_s,
+            request_routing_stats_timeout_s=max(stats_period_s, 5.0),
+        )
     raise InvalidInputError(
-        f"router must be cache_aware, prefix_affinity, pow2 or random, got {router!r}"
+        f"router must be cache_aware, events, prefix_affinity, pow2 or random, got {router!r}"
     )
 
 
 __all__ = [
+    "EVENTS_STATS_KEY",
     "CacheAwareRouter",
+    "EventsRouter",
     "PrefixSummary",
     "RandomRouter",
     "chunk_ids",
     "covered_prefix",
     "load_tokenizer",
+    "rank_by_blocks",
     "rank_by_prefix",
     "request_tokens",
     "router_config",

@@ -39,6 +39,8 @@ from typing import Any
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from raykv.events_index import OWNERSHIP
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
@@ -48,7 +50,6 @@ POLL_S = 0.5
 # oldest admitted reported removed (a router then underrates, never overrates).
 MAX_PLANNED = 4096
 MAX_HELD = 65536
-OWNERSHIP = "raykv"
 
 
 class KVEvents:

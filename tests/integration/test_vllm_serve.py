@@ -1,7 +1,9 @@
 """Ray Serve LLM serving vLLM with raykv (examples/vllm_serve_app.py), over Serve's
 OpenAI HTTP API on loopback. Deployment "b" (one engine) and "a" (two replicas behind
 raykv's `CacheAwareRouter`) share one raykv namespace: a prompt "a" prefilled is a raykv
-hit on "b", and "a"'s router keeps a prefix on the replica whose vLLM cache holds it."""
+hit on "b", and "a"'s router keeps a prefix on the replica whose vLLM cache holds it.
+"b" runs as raykv's `EventsServer`: its engine's KV events (vLLM's blocks and raykv's)
+reach a subscriber at the endpoint it advertises, as `EventsRouter` reads them."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, int,
     try:
         configs = [
             example.llm_config(model, "a", replicas=2, router="cache_aware", **common),
-            example.llm_config(model, "b", **common),
+            example.llm_config(model, "b", events=True, **common),
         ]
         serve.run(example.build_app(configs), name="vllm-raykv", route_prefix="/")
         kv = raykv.connect(namespace=namespace, chunk_size=vt.CHUNK)
@@ -119,3 +121,50 @@ def test_cache_aware_router_keeps_a_prefix_on_the_replica_that_holds_it(served):
         reply = example.complete(port, "a", doc + vt.prompt(50 + i, 20))
         assert example.cached_tokens(reply) >= 6 * vt.CHUNK
     assert kv.stats()["retrieved_tokens"] == retrieved, "a follow-up went to the other replica"
+
+
+def routing_stats(model_id: str) -> dict[str, Any]:
+    """The routing stats model `model_id`'s (one) replica advertises."""
+    from ray import serve
+
+    app = serve.status().applications["vllm-raykv"]
+    name = next(d for d in app.deployments if d.endswith(f":{model_id}"))
+    handle = serve.get_deployment_handle(name, app_name="vllm-raykv")
+    return handle.record_routing_stats.remote().result(timeout_s=60)
+
+
+def test_events_server_publishes_its_engines_blocks_and_raykvs_to_a_subscriber(served):
+    from raykv.events_index import BlockIndex, EventSubscriber
+    from raykv.serve import EVENTS_STATS_KEY
+
+    example, port, kv = served
+    endpoint = routing_stats("b")[EVENTS_STATS_KEY]
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    index = BlockIndex()
+    subscriber = EventSubscriber(index)
+    try:
+        subscriber.watch({"b": endpoint})
+        # A PUB socket drops what it sends before a SUB joined: step until one arrives.
+        for seed in range(60, 90):
+            example.complete(port, "b", vt.prompt(seed, vt.BLOCK + 5), max_tokens=1)
+            if index.sizes()["local"]:
+                break
+        assert index.sizes()["local"], "no KV event reached the subscriber"
+        tokens = vt.prompt(91, 4 * vt.CHUNK + 37)
+        before = stored_chunks(kv)
+        example.complete(port, "b", tokens)
+        ids = index.request_ids(tokens)
+        assert len(ids) == len(tokens) // vt.BLOCK
+        wait_for(lambda: index.matches(ids, ["b"])[0]["b"] >= len(ids) - 1, "vLLM's blocks")
+        wait_for(lambda: stored_chunks(kv) >= before + 4, "b's chunks in raykv")
+        # raykv's blocks are reported with a step after the CPU tier admitted them
+        full = 4 * vt.CHUNK // vt.BLOCK
+
+        def advertised() -> bool:
+            example.complete(port, "b", vt.prompt(92, vt.BLOCK), max_tokens=1)
+            return index.matches(ids, ["b"])[1] >= full
+
+        wait_for(advertised, "raykv's blocks advertised")
+        assert index.counts["orphans"] == 0 and subscriber.counts["undecodable"] == 0
+    finally:
+        subscriber.close()

@@ -1,0 +1,164 @@
+"""BlockIndex and EventSubscriber: a router's view of every replica's blocks from vLLM's
+KV events (vLLM's own and raykv's), and the ranking `EventsRouter` makes from it."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("zmq")
+
+from vllm.distributed.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+
+from raykv.errors import InvalidInputError  # noqa: E402
+from raykv.events_index import OWNERSHIP, BlockIndex, EventSubscriber  # noqa: E402
+
+BS = 4  # tokens per block
+
+
+def stored(hashes, tokens, parent=None, *, raykv=False, extra=None, block_size=BS):
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=block_size,
+        lora_id=None,
+        medium="CPU" if raykv else "GPU",
+        lora_name=None,
+        extra_keys=extra,
+        ownership=OWNERSHIP if raykv else None,
+    )
+
+
+def removed(hashes, *, raykv=False):
+    return BlockRemoved(
+        block_hashes=list(hashes),
+        medium="CPU" if raykv else "GPU",
+        ownership=OWNERSHIP if raykv else None,
+    )
+
+
+PROMPT = list(range(100, 116))  # 4 blocks
+
+
+def test_a_replicas_stored_blocks_match_the_same_prompt_and_only_on_that_replica() -> None:
+    index = BlockIndex()
+    assert index.request_ids(PROMPT) == []  # no block size known yet
+    index.apply("r1", [stored([11, 12], PROMPT[:8])])
+    index.apply("r1", [stored([13], PROMPT[8:12], parent=12)])
+    ids = index.request_ids(PROMPT + [1, 2])  # the partial block is not an id
+    assert len(ids) == 4
+    assert index.matches(ids, ["r1", "r2"]) == ({"r1": 3, "r2": 0}, 0)
+    other = index.request_ids([7] + PROMPT[1:])  # another first token: another chain
+    assert index.matches(other, ["r1"]) == ({"r1": 0}, 0)
+
+
+def test_raykv_blocks_count_for_every_replica_and_chain_on_a_replicas_parent() -> None:
+    index = BlockIndex()
+    index.apply("r1", [stored([11], PROMPT[:4])])
+    # raykv's chunk after the replica's own first block (its parent, from vLLM's event)
+    index.apply("r1", [stored([12, 13], PROMPT[4:12], parent=11, raykv=True)])
+    ids = index.request_ids(PROMPT)
+    assert index.matches(ids, ["r1", "r2"]) == ({"r1": 1, "r2": 0}, 0)  # 11 is not raykv's
+    index.apply("r2", [stored([11], PROMPT[:4], raykv=True)])
+    assert index.matches(ids, ["r1", "r2"]) == ({"r1": 1, "r2": 0}, 3)
+    index.apply("r1", [removed([12], raykv=True)])
+    assert index.matches(ids, ["r1", "r2"])[1] == 1
+    assert index.sizes() == {"local": 1, "shared": 2}
+
+
+def test_removed_and_cleared_blocks_stop_matching() -> None:
+    index = BlockIndex()
+    index.apply("r1", [stored([11, 12, 13], PROMPT[:12]), stored([21], PROMPT[:4], raykv=True)])
+    ids = index.request_ids(PROMPT)
+    index.apply("r1", [removed([12])])
+    assert index.matches(ids, ["r1"]) == ({"r1": 1}, 1)
+    index.apply("r1", [AllBlocksCleared()])  # vLLM's pool reset: raykv's blocks stay
+    assert index.matches(ids, ["r1"]) == ({"r1": 0}, 1)
+    index.forget("r1")
+    assert index.matches(ids, ["r1"]) == ({"r1": 0}, 0)
+    assert index.counts["removed"] == 1 and index.counts["cleared"] == 1
+
+
+def test_orphans_salted_blocks_and_other_block_sizes_never_match() -> None:
+    index = BlockIndex()
+    index.apply("r1", [stored([12], PROMPT[4:8], parent=99)])  # parent never seen
+    index.apply("r1", [stored([11], PROMPT[:4], extra=[("tenant-a",)])])  # cache_salt
+    index.apply("r1", [stored([31], PROMPT[:8], block_size=8)])
+    ids = index.request_ids(PROMPT)
+    assert index.matches(ids, ["r1"]) == ({"r1": 0}, 0)
+    assert (index.counts["orphans"], index.counts["foreign"]) == (1, 1)
+    with pytest.raises(InvalidInputError, match="max_blocks"):
+        BlockIndex(max_blocks=0)
+
+
+def test_each_set_is_bounded() -> None:
+    index = BlockIndex(max_blocks=2)
+    index.apply("r1", [stored([11, 12, 13], PROMPT[:12])])
+    ids = index.request_ids(PROMPT)
+    assert index.sizes()["local"] == 2
+    assert index.matches(ids, ["r1"]) == ({"r1": 0}, 0)  # the first block was forgotten
+
+
+def test_ranking_prefers_own_blocks_and_with_raykv_events_any_replica_that_can_load() -> None:
+    from raykv.serve import rank_by_blocks
+
+    index = BlockIndex()
+    index.apply("r1", [stored([11], PROMPT[:4])])
+    index.apply("r2", [stored([11, 12, 13, 14], PROMPT, raykv=True)])
+    ids = index.request_ids(PROMPT)
+    queue = {"r1": 0, "r2": 0, "r3": 0}
+    with_events = rank_by_blocks(index, ids, ["r1", "r2", "r3"], queue)
+    assert with_events[0] == ["r1"]  # all can serve 4 blocks; r1 holds one itself
+    busy = {"r1": 9, "r2": 0, "r3": 0}
+    assert sorted(rank_by_blocks(index, ids, ["r1", "r2", "r3"], busy)[0]) == ["r2", "r3"]
+    # without raykv's events: 1 of 4 blocks is below half the prompt: power of two
+    blind = rank_by_blocks(index, ids, ["r1", "r2", "r3"], queue, raykv_events=False)
+    assert len(blind[0]) == 2
+
+
+def test_the_subscriber_reads_a_real_vllm_publisher_on_the_port_it_bound(monkeypatch) -> None:
+    from raykv.integrations.serve_llm import bound_endpoint
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://*:0")
+    index = BlockIndex()
+    subscriber = EventSubscriber(index)
+    try:
+        client = SimpleNamespace(get_kv_event_sources=lambda: {0: publisher._publisher_config})
+        endpoint = bound_endpoint(client)
+        assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
+        subscriber.watch({"r1": endpoint})
+        deadline = time.monotonic() + 20
+        ids = []
+        while time.monotonic() < deadline and not index.sizes()["local"]:
+            # PUB drops what it sends before the SUB has joined: send until one arrives
+            publisher.publish(KVEventBatch(ts=time.time(), events=[stored([11], PROMPT[:4])]))
+            time.sleep(0.1)
+        ids = index.request_ids(PROMPT)
+        assert index.matches(ids, ["r1"]) == ({"r1": 1}, 0)
+        subscriber.watch({})  # the replica went away: forgotten
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and index.sizes()["local"]:
+            time.sleep(0.05)
+        assert index.sizes()["local"] == 0
+        assert subscriber.counts["undecodable"] == 0
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+
+
+def test_an_engine_client_without_sources_gives_no_endpoint() -> None:
+    from raykv.integrations.serve_llm import bound_endpoint
+
+    assert bound_endpoint(None) is None
+    assert bound_endpoint(SimpleNamespace(get_kv_event_sources=lambda: {})) is None
