@@ -34,7 +34,9 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   `2-events` (raykv's `EventsRouter`: what a KV-aware router does with the engines' KV
   events, vLLM's blocks and raykv's, raykv's counted for every replica) and
   `2-events-vllm` (the same router reading vLLM's own events only: what Ray Serve LLM's
-  `KVAwareRouter` would see of an engine whose connector reported nothing); and
+  `KVAwareRouter` would see of an engine whose connector reported nothing),
+  `2-raykv-events` (`2-raykv` whose engines publish their KV events, which nobody
+  reads: what publishing costs); and
   `2-A+` (two plain replicas with enlarged pools, Serve's default routing);
 * `E`: LMCache, vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector`: tried (full
   run only) and reported N/A with the reason this machine gave.
@@ -116,6 +118,7 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "2-raykv": (2, "cache_aware", "cpu", False),
     "2-events": (2, "events", "cpu", False),
     "2-events-vllm": (2, "events", "cpu", False),
+    "2-raykv-events": (2, "cache_aware", "cpu", False),
     "B-wait0": (1, "pow2", "cpu", False),
     "B-inline4": (1, "pow2", "cpu", False),
     "B-noview": (1, "pow2", "cpu", False),
@@ -236,7 +239,7 @@ def llm_config(
         env_vars[ENV] = str(Path(trace_dir).resolve() / arm)
         env_vars["PYTHONPATH"] = str(ROOT)
     server_cls = None
-    if router == "events":  # the engines publish their KV events for the router
+    if router == "events" or arm == "2-raykv-events":  # the engines publish KV events
         from raykv.integrations.serve_llm import EventsServer
 
         server_cls = EventsServer

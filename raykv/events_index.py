@@ -238,10 +238,12 @@ class EventSubscriber:
         except Exception:
             self.counts["undecodable"] += 1
             return
-        if seq is not None:
-            if source in last_seq and seq != last_seq[source] + 1:
-                self.counts["gaps"] += 1
-            last_seq[source] = seq
+        previous = last_seq.get(source)
+        if source not in last_seq:
+            logger.info("KV events arriving from %s", source)
+        elif seq is not None and previous is not None and seq != previous + 1:
+            self.counts["gaps"] += 1
+        last_seq[source] = seq
         self.counts["batches"] += 1
         self.index.apply(source, batch.events)
 
