@@ -250,7 +250,10 @@ def test_preemption_and_abort_release_every_pin(engine, monkeypatch):
 
 
 def test_two_engine_processes_share_the_cache(engine, model, reference):
+    """Keys agree across processes. Once (the async module): the second process starts
+    an engine of its own (~20 s) and loads with its default `load_mode` either way."""
     llm, ns, kv = engine
+    async_only(llm)
     vt.run(llm, [PROMPTS["shared"]])
     settle(llm, kv)
     address = ray.get_runtime_context().gcs_address
