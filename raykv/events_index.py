@@ -16,19 +16,23 @@ Two kinds of holding:
 
 A request whose blocks carry extra keys (a salted or LoRA prompt) never matches, since
 the router does not know them: it underrates such a replica, it never overrates one.
-Events lost (a subscriber that joined late, a publisher's dropped messages) leave the
-sets stale until the blocks are stored or removed again; each set is bounded
-(`max_blocks`, least recently stored forgotten first).
+Only whole blocks of the first KV cache group are indexed (full attention; a hybrid
+model's other groups are skipped). Events lost beyond what the publisher can replay
+leave the sets stale until the blocks are stored or removed again, and a block whose
+parent was never seen is not indexed (`orphans`); each set is bounded (`max_blocks`,
+least recently stored forgotten first).
 
-`EventSubscriber` is the ZMQ side: one SUB socket per replica's endpoint, read by one
-daemon thread that decodes vLLM's `KVEventBatch` and applies it here. Ray-free; needs
-`pyzmq` and vLLM (for the event types) only when a subscriber starts.
+`EventSubscriber` is the ZMQ side: per replica a SUB socket and, where the publisher has
+one, a DEALER on its replay socket, read by one daemon thread that decodes vLLM's
+`KVEventBatch` and applies it here. Ray-free; needs `pyzmq` and vLLM (for the event
+types) only in that thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -42,6 +46,15 @@ logger = logging.getLogger(__name__)
 OWNERSHIP = "raykv"  # the ownership of the blocks raykv's connector advertises
 ROOT = 0  # the parent id of a prompt's first block
 DEFAULT_MAX_BLOCKS = 1 << 20  # per set, and of the engine-hash -> id map (~100 B each)
+
+
+def freeze(value: Any) -> Any:
+    """`value` hashable: lists (msgpack's arrays: a multimodal key's pairs) as tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((freeze(k), freeze(v)) for k, v in value.items()))
+    return value
 
 
 def chain(parent: int, tokens: Sequence[int], extra: Any = None) -> int:
@@ -76,6 +89,8 @@ class BlockIndex:
                 if kind == "BlockStored":
                     self._stored(source, event)
                 elif kind == "BlockRemoved":
+                    if getattr(event, "group_idx", None) not in (None, 0):
+                        continue
                     ids = [self._ids.get(h) for h in event.block_hashes]
                     held = self._set(source, event)
                     held.difference_update(i for i in ids if i is not None)
@@ -93,26 +108,32 @@ class BlockIndex:
 
     def _stored(self, source: Hashable, event: Any) -> None:
         size = event.block_size
-        if self.block_size is None:
-            self.block_size = size
-        if size != self.block_size:  # another geometry: not comparable with requests
+        tokens = event.token_ids
+        # Only whole blocks of the first KV cache group (full attention): vLLM leaves a
+        # hybrid model's skipped blocks out of `block_hashes` but not out of `token_ids`,
+        # and a partial block's event has fewer tokens than its blocks.
+        if (
+            getattr(event, "group_idx", None) not in (None, 0)
+            or not size
+            or len(tokens) != size * len(event.block_hashes)
+            or (self.block_size is not None and size != self.block_size)
+        ):
             self.counts["foreign"] += 1
             return
+        self.block_size = size
         parent = ROOT
         if event.parent_block_hash is not None:
             parent = self._ids.get(event.parent_block_hash)
             if parent is None:  # its parent's event was missed: the chain is unknown
                 self.counts["orphans"] += 1
                 return
+            self._ids.move_to_end(event.parent_block_hash)  # a live prefix stays known
         extras = event.extra_keys or ()
-        tokens = event.token_ids
         new = []
         for i, block_hash in enumerate(event.block_hashes):
             block = tokens[i * size : (i + 1) * size]
-            if len(block) < size:
-                break
             extra = extras[i] if i < len(extras) else None
-            parent = chain(parent, block, tuple(extra) if extra else None)
+            parent = chain(parent, block, freeze(extra) if extra else None)
             self._ids[block_hash] = parent
             self._ids.move_to_end(block_hash)
             new.append(parent)
@@ -157,95 +178,189 @@ class BlockIndex:
             }
 
 
+END_SEQ = -1  # vLLM's replay socket: the sequence number that ends a replay
+REPLAY_WAIT_S = 5.0  # a replay not ended by then: go on with what arrived
+MAX_HELD = 10_000  # batches published while a replay runs, applied after it
+
+
+class _Feed:
+    """One source's sockets and where its sequence of batches stands."""
+
+    __slots__ = ("dealer", "endpoints", "held", "last", "replay_until", "source", "sub")
+
+    def __init__(self, source: Hashable, endpoints: tuple[str, str | None]) -> None:
+        self.source = source
+        self.endpoints = endpoints
+        self.sub: Any = None
+        self.dealer: Any = None
+        self.last: int | None = None  # the last sequence number applied
+        self.held: list[tuple[int | None, Any]] = []
+        self.replay_until = 0.0  # while a replay runs (monotonic deadline), else 0
+
+
 class EventSubscriber:
     """Subscribes to each source's vLLM KV-event endpoint and feeds a `BlockIndex`.
 
-    `watch({source: endpoint})` (any thread) says which endpoints to read; the thread
-    connects new ones, and closes (and forgets) those gone or changed. A batch it
-    cannot decode is counted and skipped; a gap in a publisher's sequence numbers (lost
-    events) is counted.
+    `watch({source: endpoint or (endpoint, replay endpoint)})` (any thread) says which
+    publishers to read; the thread connects new ones, and closes (and forgets) those gone
+    or changed. With a replay endpoint (vLLM's `replay_endpoint`, a ROUTER socket over
+    the publisher's last batches) it first asks for every batch the publisher still
+    holds, so a router that subscribes late (a restart, a new ingress replica) still
+    learns the prefixes cached before it came; and a gap in the sequence numbers (lost
+    batches) is asked for again. Batches published meanwhile wait, then apply in order;
+    none applies twice. A batch it cannot decode or apply is counted and skipped.
     """
 
     POLL_MS = 100
 
     def __init__(self, index: BlockIndex) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
         self.index = index
-        self.counts = {"batches": 0, "undecodable": 0, "gaps": 0}
-        self._zmq = zmq
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._wanted: dict[Hashable, str] = {}
+        self.counts = {
+            "batches": 0,
+            "replayed": 0,
+            "undecodable": 0,
+            "unapplied": 0,
+            "gaps": 0,
+            "refused": 0,
+        }
+        self._decoder: Any = None
+        self._zmq: Any = None
+        self._wanted: dict[Hashable, tuple[str, str | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raykv-kv-events", daemon=True)
         self._thread.start()
 
-    def watch(self, endpoints: Mapping[Hashable, str]) -> None:
+    def watch(self, endpoints: Mapping[Hashable, str | tuple[str, str | None]]) -> None:
+        wanted = {s: (e, None) if isinstance(e, str) else tuple(e) for s, e in endpoints.items()}
         with self._lock:
-            self._wanted = dict(endpoints)
+            self._wanted = wanted  # type: ignore[assignment]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        zmq = self._zmq
+        # Imported here, not on the router's event loop (vLLM's module imports torch).
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         ctx = zmq.Context.instance()
         poller = zmq.Poller()
-        sockets: dict[Hashable, tuple[str, Any]] = {}
-        sources: dict[Any, Hashable] = {}
-        last_seq: dict[Hashable, int] = {}
+        feeds: dict[Hashable, _Feed] = {}
+        sockets: dict[Any, tuple[_Feed, bool]] = {}  # socket -> (feed, is its replay)
         try:
             while not self._stop.is_set():
                 with self._lock:
                     wanted = dict(self._wanted)
-                for source in [s for s in sockets if wanted.get(s) != sockets[s][0]]:
-                    _, sock = sockets.pop(source)
-                    poller.unregister(sock)
-                    sources.pop(sock, None)
-                    sock.close(linger=0)
-                    last_seq.pop(source, None)
+                for source in [s for s in feeds if wanted.get(s) != feeds[s].endpoints]:
+                    feed = feeds.pop(source)
+                    for sock in (feed.sub, feed.dealer):
+                        if sock is not None:
+                            poller.unregister(sock)
+                            sockets.pop(sock, None)
+                            sock.close(linger=0)
                     self.index.forget(source)
-                for source, endpoint in wanted.items():
-                    if source not in sockets:
-                        sock = ctx.socket(zmq.SUB)
-                        sock.setsockopt(zmq.SUBSCRIBE, b"")
-                        sock.connect(endpoint)
-                        poller.register(sock, zmq.POLLIN)
-                        sockets[source] = (endpoint, sock)
-                        sources[sock] = source
+                for source, endpoints in wanted.items():
+                    if source not in feeds:
+                        feeds[source] = feed = self._open(ctx, source, endpoints)
+                        for sock, replay in ((feed.sub, False), (feed.dealer, True)):
+                            if sock is not None:
+                                poller.register(sock, zmq.POLLIN)
+                                sockets[sock] = (feed, replay)
+                now = time.monotonic()
+                for feed in feeds.values():
+                    if feed.replay_until and now > feed.replay_until:
+                        self._replayed(feed)  # the publisher did not answer in time
                 for sock, _ in poller.poll(self.POLL_MS):
-                    source = sources[sock]
+                    feed, replay = sockets[sock]
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle(source, frames, last_seq)
+                        self._receive(feed, frames, replay)
         except Exception:  # a router must keep routing: scoring by stale sets is safe
             logger.exception("the KV-event subscriber stopped")
         finally:
-            for _, sock in sockets.values():
+            for sock in sockets:
                 sock.close(linger=0)
 
-    def _handle(self, source: Hashable, frames: list[bytes], last_seq: dict) -> None:
+    def _open(self, ctx: Any, source: Hashable, endpoints: tuple[str, str | None]) -> _Feed:
+        zmq = self._zmq
+        feed = _Feed(source, endpoints)
+        endpoint, replay = endpoints
+        try:
+            feed.sub = ctx.socket(zmq.SUB)
+            feed.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            feed.sub.connect(endpoint)
+            if replay:
+                feed.dealer = ctx.socket(zmq.DEALER)
+                feed.dealer.connect(replay)
+        except zmq.ZMQError as exc:  # a malformed endpoint: not again until it changes
+            for sock in (feed.sub, feed.dealer):
+                if sock is not None:
+                    sock.close(linger=0)
+            feed.sub = feed.dealer = None
+            self.counts["refused"] += 1
+            logger.warning("cannot subscribe to %r: %r", endpoints, exc)
+            return feed
+        logger.info("subscribed to the KV events of %s at %s", source, endpoint)
+        self._ask_replay(feed, 0)
+        return feed
+
+    def _ask_replay(self, feed: _Feed, start: int) -> None:
+        if feed.dealer is None or feed.replay_until:
+            return
+        feed.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        feed.replay_until = time.monotonic() + REPLAY_WAIT_S
+
+    def _receive(self, feed: _Feed, frames: list[bytes], replay: bool) -> None:
         try:
             seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else None
+            if replay and seq == END_SEQ:
+                self._replayed(feed)
+                return
             batch = self._decoder.decode(frames[-1])
         except Exception:
             self.counts["undecodable"] += 1
             return
-        previous = last_seq.get(source)
-        if source not in last_seq:
-            logger.info("KV events arriving from %s", source)
-        elif seq is not None and previous is not None and seq != previous + 1:
-            self.counts["gaps"] += 1
-        last_seq[source] = seq
+        if replay:
+            self.counts["replayed"] += 1
+            self._apply(feed, seq, batch, replayed=True)
+        elif feed.replay_until and len(feed.held) < MAX_HELD:
+            feed.held.append((seq, batch))
+        else:
+            self._apply(feed, seq, batch)
+
+    def _replayed(self, feed: _Feed) -> None:
+        """The replay ended (or timed out): apply what was published meanwhile."""
+        feed.replay_until = 0.0
+        held, feed.held = feed.held, []
+        for seq, batch in held:
+            self._apply(feed, seq, batch, replayed=True)
+
+    def _apply(self, feed: _Feed, seq: int | None, batch: Any, replayed: bool = False) -> None:
+        if seq is not None and feed.last is not None:
+            if seq <= feed.last:  # replayed and published both: applied once
+                return
+            if seq > feed.last + 1 and not replayed:  # lost batches: ask for them again
+                self.counts["gaps"] += 1
+                if feed.dealer is not None:
+                    self._ask_replay(feed, feed.last + 1)
+                    feed.held.append((seq, batch))
+                    return
+        if seq is not None:
+            feed.last = seq
         self.counts["batches"] += 1
-        self.index.apply(source, batch.events)
+        try:
+            self.index.apply(feed.source, batch.events)
+        except Exception:  # an event this index cannot read: skip it, keep the rest
+            self.counts["unapplied"] += 1
+            logger.debug("a KV event batch of %s was not applied", feed.source, exc_info=True)
 
 
-__all__ = ["OWNERSHIP", "BlockIndex", "EventSubscriber", "chain"]
+__all__ = ["OWNERSHIP", "BlockIndex", "EventSubscriber", "chain", "freeze"]

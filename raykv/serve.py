@@ -41,6 +41,7 @@ import inspect
 import logging
 import random
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -379,6 +380,16 @@ class CacheAwareRouter(RequestRouter):
         self._reported.pop(replica_id, None)
 
 
+def events_endpoints(advertised: Any) -> tuple[str, str | None] | None:
+    """(PUB endpoint, replay endpoint or None) from a replica's routing-stats field."""
+    if isinstance(advertised, str) and advertised:
+        return advertised, None
+    if isinstance(advertised, dict) and isinstance(advertised.get("endpoint"), str):
+        replay = advertised.get("replay")
+        return advertised["endpoint"], replay if isinstance(replay, str) else None
+    return None
+
+
 class EventsRouter(RequestRouter):
     """Longest-cached-prefix routing from the engines' own KV events (vLLM's and raykv's).
 
@@ -412,23 +423,35 @@ class EventsRouter(RequestRouter):
         self._min_ratio = min_match_ratio
         self.index = BlockIndex(max_blocks)
         self._subscriber: Any = None
-        self._endpoints: dict[Any, str] = {}
+        self._endpoints: dict[Any, tuple[str, str | None]] = {}
         self._tokens: OrderedDict[str, Any] = OrderedDict()  # per pending request
 
-    def _watch(self, replicas: Sequence[RunningReplica]) -> None:
-        """Subscribe to the endpoints the replicas advertise (new or changed ones)."""
-        endpoints = dict(self._endpoints)
+    def _watch(self, replicas: Sequence[RunningReplica], *, every: bool = False) -> None:
+        """Subscribe to the endpoints the replicas advertise (new or changed ones); with
+        `every`, `replicas` are all the live ones: forget the others'."""
+        endpoints = {} if every else dict(self._endpoints)
         for replica in replicas:
-            endpoint = (replica.routing_stats or {}).get(EVENTS_STATS_KEY)
-            if isinstance(endpoint, str) and endpoint:
+            endpoint = events_endpoints((replica.routing_stats or {}).get(EVENTS_STATS_KEY))
+            if endpoint is not None:
                 endpoints[replica.replica_id] = endpoint
+            elif replica.replica_id in self._endpoints:
+                endpoints[replica.replica_id] = self._endpoints[replica.replica_id]
         if endpoints != self._endpoints:
+            for gone in set(self._endpoints) - set(endpoints):
+                self.index.forget(gone)
             self._endpoints = endpoints
             if self._subscriber is None:
                 from raykv.events_index import EventSubscriber
 
                 self._subscriber = EventSubscriber(self.index)
+                # the subscriber's thread stops with this router
+                weakref.finalize(self, self._subscriber.close)
             self._subscriber.watch(endpoints)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if hasattr(self, "index"):  # after initialize_state (Serve calls it first)
+            self._watch(replicas, every=True)  # replicas scaled down or replaced
 
     def _request_ids(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:

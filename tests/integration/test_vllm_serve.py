@@ -135,16 +135,16 @@ def routing_stats(model_id: str) -> dict[str, Any]:
 
 def test_events_server_publishes_its_engines_blocks_and_raykvs_to_a_subscriber(served):
     from raykv.events_index import BlockIndex, EventSubscriber
-    from raykv.serve import EVENTS_STATS_KEY
+    from raykv.serve import EVENTS_STATS_KEY, events_endpoints
 
     example, port, kv = served
-    endpoint = routing_stats("b")[EVENTS_STATS_KEY]
-    assert endpoint.startswith("tcp://127.0.0.1:")
+    endpoint, replay = events_endpoints(routing_stats("b")[EVENTS_STATS_KEY])
+    assert endpoint.startswith("tcp://127.0.0.1:") and replay.startswith("tcp://127.0.0.1:")
     index = BlockIndex()
     subscriber = EventSubscriber(index)
     try:
-        subscriber.watch({"b": endpoint})
-        # A PUB socket drops what it sends before a SUB joined: step until one arrives.
+        subscriber.watch({"b": (endpoint, replay)})
+        # What the engine published before (the earlier tests' prompts) comes by replay.
         for seed in range(60, 90):
             example.complete(port, "b", vt.prompt(seed, vt.BLOCK + 5), max_tokens=1)
             if index.sizes()["local"]:

@@ -104,4 +104,7 @@ def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hi
         vt.assert_same_output(second[1], reference["b"])
         vt.assert_same_output(second[2], reference["n"])
         assert second[-1]["scheduler"]["async_loads"] == 3
+        # Stored by it: rank 1's lost chunk again, and NEXT's fourth chunk on each rank.
         assert rank_keys(kv, 1) >= lost
+        for rank in range(TP):
+            assert {k.chunk_hash for k in rank_keys(kv, rank) - held[rank]} == {chunk_hash(NEXT, 3)}

@@ -101,6 +101,22 @@ def test_orphans_salted_blocks_and_other_block_sizes_never_match() -> None:
         BlockIndex(max_blocks=0)
 
 
+def test_multimodal_keys_other_groups_and_skipped_blocks_are_read_safely() -> None:
+    index = BlockIndex()
+    # msgpack gives a multimodal key's (identifier, offset) pair back as a list
+    index.apply("r1", [stored([11], PROMPT[:4], extra=[(["img", 0],)])])
+    index.apply("r1", [stored([12], PROMPT[:8])])  # 8 tokens for one block: a skipped one
+    sliding = stored([13], PROMPT[:4])
+    sliding.group_idx = 1  # another KV cache group (a hybrid model's sliding window)
+    index.apply("r1", [sliding, stored([14], PROMPT[:4])])
+    gone = removed([14])
+    gone.group_idx = 1  # a removal in the other group leaves group 0's block
+    index.apply("r1", [gone])
+    ids = index.request_ids(PROMPT)
+    assert index.matches(ids, ["r1"]) == ({"r1": 1}, 0)  # only block 14 counts
+    assert index.counts["foreign"] == 2
+
+
 def test_each_set_is_bounded() -> None:
     index = BlockIndex(max_blocks=2)
     index.apply("r1", [stored([11, 12, 13], PROMPT[:12])])
@@ -126,26 +142,41 @@ def test_ranking_prefers_own_blocks_and_with_raykv_events_any_replica_that_can_l
     assert len(blind[0]) == 2
 
 
-def test_the_subscriber_reads_a_real_vllm_publisher_on_the_port_it_bound(monkeypatch) -> None:
+def test_a_late_subscriber_replays_what_a_real_vllm_publisher_sent_before(monkeypatch) -> None:
+    """vLLM's publisher bound on free ports (as `EventsServer` asks); batches sent before
+    the router subscribed arrive through the replay socket, later ones through PUB,
+    each applied once and in order."""
     from raykv.integrations.serve_llm import bound_endpoint
+    from raykv.serve import events_endpoints
 
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
-    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://*:0")
+    publisher = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+    )
     index = BlockIndex()
     subscriber = EventSubscriber(index)
     try:
         client = SimpleNamespace(get_kv_event_sources=lambda: {0: publisher._publisher_config})
-        endpoint = bound_endpoint(client)
-        assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
-        subscriber.watch({"r1": endpoint})
+        advertised = bound_endpoint(client)
+        assert advertised is not None and set(advertised) == {"endpoint", "replay"}
+        assert advertised["endpoint"].startswith("tcp://127.0.0.1:")
+        # published before anyone subscribed: a PUB socket alone would drop these
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([11], PROMPT[:4])]))
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([12], PROMPT[4:8], 11)]))
+        time.sleep(0.5)  # the publisher's thread has sent them
+        subscriber.watch({"r1": events_endpoints(advertised)})
         deadline = time.monotonic() + 20
-        ids = []
-        while time.monotonic() < deadline and not index.sizes()["local"]:
-            # PUB drops what it sends before the SUB has joined: send until one arrives
-            publisher.publish(KVEventBatch(ts=time.time(), events=[stored([11], PROMPT[:4])]))
-            time.sleep(0.1)
+        while time.monotonic() < deadline and index.sizes()["local"] < 2:
+            time.sleep(0.05)
         ids = index.request_ids(PROMPT)
-        assert index.matches(ids, ["r1"]) == ({"r1": 1}, 0)
+        assert index.matches(ids, ["r1"]) == ({"r1": 2}, 0)
+        assert subscriber.counts["replayed"] == 2
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([13], PROMPT[8:12], 12)]))
+        while time.monotonic() < deadline and index.sizes()["local"] < 3:
+            time.sleep(0.05)
+        assert index.matches(ids, ["r1"]) == ({"r1": 3}, 0)
+        assert subscriber.counts["batches"] == 3  # none applied twice
+        assert index.counts["orphans"] == 0
         subscriber.watch({})  # the replica went away: forgotten
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and index.sizes()["local"]:
@@ -155,6 +186,31 @@ def test_the_subscriber_reads_a_real_vllm_publisher_on_the_port_it_bound(monkeyp
     finally:
         subscriber.close()
         publisher.shutdown()
+
+
+def test_advertised_endpoints_are_read_in_either_form() -> None:
+    from raykv.serve import events_endpoints
+
+    assert events_endpoints("tcp://h:1") == ("tcp://h:1", None)
+    assert events_endpoints({"endpoint": "tcp://h:1", "replay": "tcp://h:2"}) == (
+        "tcp://h:1",
+        "tcp://h:2",
+    )
+    assert events_endpoints({"endpoint": "tcp://h:1", "replay": 5}) == ("tcp://h:1", None)
+    assert events_endpoints(None) is None and events_endpoints({"replay": "x"}) is None
+
+
+def test_a_malformed_endpoint_is_refused_and_the_subscriber_keeps_running() -> None:
+    subscriber = EventSubscriber(BlockIndex())
+    try:
+        subscriber.watch({"bad": "not-an-endpoint"})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not subscriber.counts["refused"]:
+            time.sleep(0.05)
+        assert subscriber.counts["refused"] == 1
+        assert subscriber._thread.is_alive()
+    finally:
+        subscriber.close()
 
 
 def test_an_engine_client_without_sources_gives_no_endpoint() -> None:
