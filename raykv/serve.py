@@ -167,11 +167,18 @@ def rank_by_blocks(
     imbalance_threshold: int = 4,
     min_match_blocks: int = 1,
     min_match_ratio: float = 0.5,
+    routed: Mapping[Hashable, Any] | None = None,
 ) -> list[list[Hashable]]:
     """`rank_by_prefix` over the blocks a `raykv.events_index.BlockIndex` says each replica
     can serve: its own engine's, or raykv's (every replica's) when `raykv_events`; ties
-    go to the replica whose own engine holds more."""
+    go to the replica whose own engine holds more. `routed[r]` (a `RecentBlocks`) adds
+    the blocks just sent to replica r, before its engine's events report them."""
     own, shared = index.matches(request_ids, replicas) if request_ids else ({}, 0)
+    if routed and request_ids:
+        own = {
+            r: max(own.get(r, 0), routed[r].covered(request_ids) if r in routed else 0)
+            for r in replicas
+        }
     if not raykv_events:
         shared = 0
     return rank_by_prefix(
@@ -380,6 +387,31 @@ class CacheAwareRouter(RequestRouter):
         self._reported.pop(replica_id, None)
 
 
+class RecentBlocks:
+    """Block ids a router just sent to one replica, each for `ttl_s` (long enough for its
+    engine to compute them and publish its events), at most `capacity` of them."""
+
+    __slots__ = ("_until", "capacity", "ttl_s")
+
+    def __init__(self, ttl_s: float = 10.0, capacity: int = 65536) -> None:
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._until: OrderedDict[int, float] = OrderedDict()
+
+    def add(self, ids: Iterable[int], now: float | None = None) -> None:
+        until = (time.monotonic() if now is None else now) + self.ttl_s
+        for i in ids:
+            self._until[i] = until
+            self._until.move_to_end(i)
+        while len(self._until) > self.capacity:
+            self._until.popitem(last=False)
+
+    def covered(self, ids: Sequence[int], now: float | None = None) -> int:
+        """Leading ids of `ids` sent within the last `ttl_s`."""
+        now = time.monotonic() if now is None else now
+        return leading(ids, 0, lambda i: self._until.get(i, 0.0) > now)
+
+
 def events_endpoints(advertised: Any) -> tuple[str, str | None] | None:
     """(PUB endpoint, replay endpoint or None) from a replica's routing-stats field."""
     if isinstance(advertised, str) and advertised:
@@ -400,7 +432,9 @@ class EventsRouter(RequestRouter):
     engine's pool holds and which raykv's CPU tier holds, and ranks replicas by the
     leading blocks of the request each could serve without computing them: its own
     pool's, or raykv's (any replica can load those) when `raykv_events` is true. Ties go
-    to the replica whose own pool holds more (no load at all); a preferred replica much
+    to the replica whose own pool holds more (no load at all), counting for a few seconds
+    the blocks of requests it just sent there (`RecentBlocks`: a burst of one new prefix
+    stays together before the engine's events report it); a preferred replica much
     busier than the least loaded one, or no match, falls back to power-of-two choices
     (`rank_by_prefix`). `tokenizer` (the model's) lets it route text prompts.
     """
@@ -425,6 +459,7 @@ class EventsRouter(RequestRouter):
         self._subscriber: Any = None
         self._endpoints: dict[Any, tuple[str, str | None]] = {}
         self._tokens: OrderedDict[str, Any] = OrderedDict()  # per pending request
+        self._routed: dict[Any, RecentBlocks] = {}  # what was just sent to each replica
 
     def _watch(self, replicas: Sequence[RunningReplica], *, every: bool = False) -> None:
         """Subscribe to the endpoints the replicas advertise (new or changed ones); with
@@ -439,6 +474,7 @@ class EventsRouter(RequestRouter):
         if endpoints != self._endpoints:
             for gone in set(self._endpoints) - set(endpoints):
                 self.index.forget(gone)
+                self._routed.pop(gone, None)
             self._endpoints = endpoints
             if self._subscriber is None:
                 from raykv.events_index import EventSubscriber
@@ -486,15 +522,24 @@ class EventsRouter(RequestRouter):
             imbalance_threshold=self._imbalance,
             min_match_blocks=self._min_match,
             min_match_ratio=self._min_ratio,
+            routed={rid: self._routed[rid] for rid in by_id if rid in self._routed},
         )
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any):
-        self._tokens.pop(pending_request.metadata.internal_request_id, None)
+        """Remember the request's blocks on its replica until its engine's events say."""
+        tokens = self._tokens.pop(pending_request.metadata.internal_request_id, None)
+        try:
+            ids = self.index.request_ids(tokens) if tokens else []
+        except Exception:
+            ids = []
+        if ids:
+            self._routed.setdefault(replica_id, RecentBlocks()).add(ids)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self._endpoints.pop(replica_id, None)
+        self._routed.pop(replica_id, None)
         if self._subscriber is not None:
             self._subscriber.watch(self._endpoints)
         self.index.forget(replica_id)
@@ -590,6 +635,7 @@ __all__ = [
     "EventsRouter",
     "PrefixSummary",
     "RandomRouter",
+    "RecentBlocks",
     "chunk_ids",
     "covered_prefix",
     "load_tokenizer",

@@ -142,6 +142,25 @@ def test_ranking_prefers_own_blocks_and_with_raykv_events_any_replica_that_can_l
     assert len(blind[0]) == 2
 
 
+def test_blocks_just_routed_count_for_their_replica_until_they_expire() -> None:
+    from raykv.serve import RecentBlocks, rank_by_blocks
+
+    index = BlockIndex()
+    index.apply("r1", [stored([11], PROMPT[:4])])  # teaches the block size
+    ids = index.request_ids(PROMPT)
+    recent = RecentBlocks(ttl_s=10.0, capacity=3)
+    recent.add(ids, now=100.0)
+    assert recent.covered(ids, now=105.0) == 0  # the first id fell out (capacity 3)
+    recent.add(ids[:2], now=100.0)
+    assert recent.covered(ids, now=105.0) == 2 and recent.covered(ids, now=111.0) == 0
+    fresh = RecentBlocks()
+    fresh.add(ids)
+    queue = {"r1": 0, "r2": 0}
+    # r2 was just sent the whole prompt: it ranks first before its events arrive
+    assert rank_by_blocks(index, ids, ["r1", "r2"], queue, routed={"r2": fresh})[0] == ["r2"]
+    assert len(rank_by_blocks(index, ids, ["r1", "r2"], queue)[0]) == 2  # 1 of 4: no match
+
+
 def test_a_late_subscriber_replays_what_a_real_vllm_publisher_sent_before(monkeypatch) -> None:
     """vLLM's publisher bound on free ports (as `EventsServer` asks); batches sent before
     the router subscribed arrive through the replay socket, later ones through PUB,
