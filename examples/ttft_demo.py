@@ -4,9 +4,9 @@
     python examples/ttft_demo.py [--quick] [--out ttft.png]
 
 Starts a local Ray and a raykv cache (CPU tier), then a `GPUWorker` actor holding the
-demo model (it runs on CPU when there is no GPU). For each shared-context length (1k,
-4k, 8k tokens; `--quick`: 1k and 4k) it sends two requests with the same context and
-different 256-token questions:
+demo model (on one GPU when the local Ray has one, else on CPU). For each shared-context
+length (1k, 4k, 8k tokens; `--quick`: 1k and 4k) it sends two requests with the same
+context and different 256-token questions:
 
 * cold: nothing is cached, so the worker prefills the whole prompt (and stores the
   context's KV in raykv, 256 tokens per chunk);
@@ -39,13 +39,15 @@ WARM_REQUESTS = 3  # warm TTFT is the median of these (cheap, and steadier than 
 NAMESPACE = "raykv-ttft-demo"
 
 
-def run(contexts: list[int]) -> list[dict[str, object]]:
-    """Cold then warm request per context length; one row of results each."""
+def run(contexts: list[int], gpus: float) -> list[dict[str, object]]:
+    """Cold then warm request per context length; one row of results each. The model
+    worker reserves `gpus` GPUs (Ray hides the GPUs from an actor that reserves none)."""
     config = raykv.RayKVConfig(
         namespace=NAMESPACE,
         model_name="ttft-demo",
-        kv_dtype="float32",  # the demo model runs in fp32 on CPU
+        kv_dtype="float32",  # the demo model runs in fp32
         max_local_cpu_size=1.0,
+        worker_num_gpus=gpus,
     )
     kv = raykv.connect(config)
     kv.clear()  # a rerun starts cold
@@ -92,7 +94,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
         )
 
 
-def plot(rows: list[dict[str, object]], out: str) -> None:
+def plot(rows: list[dict[str, object]], out: str, device: str) -> None:
     """Grouped bars, cold vs warm TTFT per context length, speedup over each pair."""
     try:
         import matplotlib
@@ -113,7 +115,7 @@ def plot(rows: list[dict[str, object]], out: str) -> None:
     ax.set_xticks(x, [f"{r['context'] // 1024}k" for r in rows])  # type: ignore[operator]
     ax.set_xlabel(f"shared context tokens (+ {QUESTION_TOKENS} new tokens)")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title("raykv: TTFT of the demo Llama model on CPU")
+    ax.set_title(f"raykv: TTFT of the demo Llama model ({device})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -129,9 +131,11 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
-        rows = run(contexts)
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        print(f"model worker on {'one GPU' if gpus else 'CPU'}")
+        rows = run(contexts, gpus)
         print_table(rows)
-        plot(rows, args.out)
+        plot(rows, args.out, "one GPU" if gpus else "CPU")
     finally:
         ray.shutdown()  # a local Ray: its shutdown stops the cache's (detached) actors too
 

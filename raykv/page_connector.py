@@ -240,6 +240,11 @@ class PageConnector:
         ]
         if not checked:
             return DONE
+        # A loader thread starts on device 0: its pinned buffers and copies belong to ours.
+        with torch.cuda.device(self.device):
+            return self._load_on_device(checked)
+
+    def _load_on_device(self, checked: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         total = sum(len(idx) for _src, idx in checked)
         row = self.block_nbytes // len(self.layers)
         ids = torch.cat([idx for _src, idx in checked]).pin_memory()

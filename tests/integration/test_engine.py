@@ -188,13 +188,18 @@ def test_the_read_cache_serves_repeat_reads_and_never_a_chunk_the_manager_droppe
         assert kv.stats()["client"]["read_cache_bytes"] == 0
 
 
-def test_list_of_chunks_and_connector_targets_round_trip(kv):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_list_of_chunks_and_connector_targets_round_trip(kv, device):
     tokens = prompt(9, 3 * C)
     full = kv_for(tokens)
     chunks = [full[:, :, i * C : (i + 1) * C].contiguous() for i in range(3)]
     kv.store(tokens, chunks)
     conn = raykv.GPUConnector(
-        L, HEADS, HEAD_DIM, torch.float16, "cpu", layout="paged", block_size=4
+        L, HEADS, HEAD_DIM, torch.float16, device, layout="paged", block_size=4
     )
     buffers = conn.allocate_buffers(32)
     slots = torch.randperm(32 * 4)[: 3 * C]
@@ -203,10 +208,11 @@ def test_list_of_chunks_and_connector_targets_round_trip(kv):
     assert torch.equal(out, full)
 
 
-def test_layerwise_store_and_retrieve_match_whole_transfers(kv):
-    tokens = prompt(10, 2 * C)
+@pytest.mark.parametrize("device", DEVICES)
+def test_layerwise_store_and_retrieve_match_whole_transfers(kv, device):
+    tokens = prompt(10 if device == "cpu" else 16, 2 * C)  # each device stores its own
     full = kv_for(tokens)
-    conn = raykv.GPUConnector(L, HEADS, HEAD_DIM, torch.float16, "cpu", layout="contiguous")
+    conn = raykv.GPUConnector(L, HEADS, HEAD_DIM, torch.float16, device, layout="contiguous")
     src = conn.allocate_buffers(2 * C)
     conn.from_payloads([full], src, [0])
     layers = list(kv.store_layerwise(tokens, raykv.KVTarget(conn, src)))

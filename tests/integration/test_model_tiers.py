@@ -168,7 +168,7 @@ def served(request: pytest.FixtureRequest, namespaces: Namespaces) -> Served:
         out = worker.generate(prompts.a, max_new_tokens=1)
         assert (out["hit_tokens"], out["stored_tokens"]) == (0, case.prefix_len)
         assert worker.kv.flush()
-    return Served(case, prompts, logits[-1], [first, *rest], workers)
+    return Served(case, prompts, logits[-1].float().cpu(), [first, *rest], workers)
 
 
 def remove(worker: ModelWorker, tokens: torch.Tensor, tiers: list[str]) -> None:

@@ -1,0 +1,248 @@
+"""The vLLM connector's worker side moving real bytes on each device the machine has: a
+step's saves reach the cache as the bytes its forward wrote (on CUDA: gathered on the
+save stream after the forward, into pinned buffers, while the next step may already
+overwrite the blocks), and async loads (the loader thread) and in-step loads write
+exactly the payload's blocks and nothing else. `get_finished` reports an async load
+once; a chunk the cache lacks becomes load errors for its blocks alone.
+
+The real `WorkerSide` and `PageConnector` run; the cache is an in-memory dict of the
+stored bytes (`put_chunks` / `get_chunks`, as `test_vllm_deferred_save`). The worker
+side never calls vLLM, so on a machine without vLLM (the GPU machine) its metadata
+base class is a plain class.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+import types
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:  # only the metadata's base class is vLLM's
+    _parts = "vllm.distributed.kv_transfer.kv_connector.v1.base".split(".")
+    for _i in range(1, len(_parts) + 1):
+        sys.modules.setdefault(".".join(_parts[:_i]), types.ModuleType(".".join(_parts[:_i])))
+    sys.modules[".".join(_parts)].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
+
+from raykv.client.staging import BufferPool  # noqa: E402
+from raykv.integrations.vllm_meta import (  # noqa: E402
+    WORKER_COUNTER_METRICS,
+    CounterExport,
+    LoadSpec,
+    RayKVConnectorMetadata,
+    SaveSpec,
+)
+from raykv.integrations.vllm_worker import WorkerSide  # noqa: E402
+from raykv.keys import KeyMaker  # noqa: E402
+
+BLOCK, CHUNK, BLOCKS = 4, 8, 24  # tokens per block, per chunk; blocks in the cache
+SHAPE = (BLOCKS, 2, BLOCK, 16)  # vLLM's per-layer [num_blocks, kv_heads, block, 2 * head]
+LAYERS = 3
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]  # fmt: skip
+
+
+class DictCache:
+    """`hashed_spans`, `put_chunks` and `get_chunks` of a KVCache over a dict."""
+
+    def __init__(self) -> None:
+        self.maker = KeyMaker(chunk_size=CHUNK, model_name="m")
+        self.chunks: dict[Any, tuple[bytes, Any]] = {}
+        self.puts = 0
+
+    def hashed_spans(self, hashes: list, offsets: list) -> list:
+        return self.maker.keys_from_hashes(hashes, offsets)
+
+    def put_chunks(self, spans: Any, buffers: Any, metas: Any, prefix: Any = None) -> None:
+        for span, buf, meta in zip(spans, buffers, metas, strict=True):
+            self.chunks[span.key] = (bytes(buf), meta)
+        self.puts += 1
+
+    def get_chunks(self, spans: list, lookup_id: str | None = None) -> tuple[list, list]:
+        out = []
+        for span in spans:
+            if span.key not in self.chunks:
+                break
+            data, meta = self.chunks[span.key]
+            out.append((span, np.frombuffer(data, dtype=np.uint8), meta))  # read-only
+        return out, ["cpu"] * len(out)
+
+
+class Worker(WorkerSide):
+    """The worker-side state `RayKVConnector.__init__` makes, without the engine."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(load_timeout_ms=10_000, save_after_step=True)
+        self._block_size, self._chunk = BLOCK, CHUNK
+        self._kv = DictCache()
+        self._pages = None
+        self._load_errors: set[int] = set()
+        self._failed_in_step: deque = deque(maxlen=2)
+        self._loads: dict = {}
+        self._loader = self._saver = self._gatherer = None
+        self._gathers: deque = deque()
+        self._buffers = BufferPool(1 << 24)
+        self._pending_bytes, self._pending_lock = 0, threading.Lock()
+        self._worker_exported = CounterExport(WORKER_COUNTER_METRICS)
+        for name in WORKER_COUNTER_METRICS:
+            setattr(self, name, 0)
+        self.load_log: deque = deque()
+        self.save_log: deque = deque()
+        self.gather_log: deque = deque()
+        self.saved_chunks = self.dropped_saves = 0
+        self._connector_metadata: RayKVConnectorMetadata | None = None
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def _get_connector_metadata(self) -> RayKVConnectorMetadata:
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+    def step(self, **fields: Any) -> None:
+        self._connector_metadata = RayKVConnectorMetadata(**fields)
+
+    def drain(self) -> None:
+        """Every save copied and stored (the gather, then the saver thread)."""
+        if self._gatherer is not None:
+            self._gatherer.submit(lambda: None).result(10)
+        self._saver.submit(lambda: None).result(10)
+
+    def close(self) -> None:
+        for pool in (self._gatherer, self._saver, self._loader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+
+def random_bits(device: str, seed: int) -> list[torch.Tensor]:
+    """Layers of arbitrary bf16 bit patterns (NaNs too): only bytewise copies keep them."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(SHAPE))
+    return [
+        torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int16, generator=gen)
+        .view(torch.bfloat16)
+        .reshape(SHAPE)
+        .to(device)
+        for _ in range(LAYERS)
+    ]
+
+
+def blocks_bytes(layers: list[torch.Tensor], blocks: list[int]) -> bytes:
+    """The bytes of `blocks` of every layer, as one payload of them holds them."""
+    return b"".join(
+        layer[blocks].cpu().contiguous().view(torch.int16).numpy().tobytes() for layer in layers
+    )
+
+
+def hold_the_device(device: str) -> None:
+    """Queue a long kernel on the compute stream, so that a copy that does not wait for
+    the stream's earlier work would run first and read stale blocks."""
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU cycles; the host goes on
+
+
+@pytest.fixture(params=DEVICES)
+def worker(request):
+    layers = random_bits(request.param, seed=0)
+    w = Worker()
+    w.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)})
+    try:
+        yield w, layers, request.param
+    finally:
+        w.close()
+
+
+SAVED = [3, 7, 1, 9]  # a request's blocks: two chunks of two blocks
+HASHES = [b"h0", b"h1"]
+
+
+def save_a_step(w: Worker, layers: list[torch.Tensor], device: str) -> bytes:
+    """A step whose forward writes the request's blocks and whose next step overwrites
+    them at once (they were freed and reallocated): what it saved must be the first."""
+    fresh = random_bits(device, seed=1)
+    hold_the_device(device)
+    for layer, new in zip(layers, fresh, strict=True):
+        layer[SAVED] = new[SAVED]  # the forward's writes, queued behind the long kernel
+    want = blocks_bytes(fresh, SAVED)
+    w.step(saves=[SaveSpec("r", HASHES, 0, 2 * CHUNK, SAVED)])
+    w.wait_for_save()
+    if device == "cpu":  # the next step's handle_preemptions waits for the gather
+        w.handle_preemptions(RayKVConnectorMetadata(writes=set(SAVED)))
+    for layer in layers:
+        layer[SAVED] = 0  # the next step's forward reuses the blocks
+    w.drain()
+    return want
+
+
+def test_a_steps_saves_are_the_bytes_its_forward_wrote(worker):
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    assert w._kv.puts == 1 and w.saved_chunks == 2
+    got = [w._kv.chunks[s.key][0] for s in w._kv.hashed_spans(HASHES, [CHUNK, 2 * CHUNK])]
+    per_chunk = [blocks_bytes_of(want, i) for i in range(2)]
+    assert got == per_chunk
+
+
+def blocks_bytes_of(payload: bytes, chunk: int) -> bytes:
+    """Chunk `chunk`'s share of `blocks_bytes(layers, SAVED)` (layer-major, two blocks a
+    chunk), as the chunk's own payload lays it out."""
+    per_layer = len(payload) // LAYERS
+    per_block = per_layer // len(SAVED)
+    return b"".join(
+        payload[i * per_layer + chunk * 2 * per_block : i * per_layer + (chunk + 1) * 2 * per_block]
+        for i in range(LAYERS)
+    )
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "in-step"])
+def test_a_load_writes_the_saved_bytes_into_other_blocks_and_nothing_else(worker, sync):
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    before = [layer.clone() for layer in layers]
+    target = [10, 11, 20, 13]
+    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=sync)])
+    w.handle_preemptions(w._get_connector_metadata())
+    w.start_load_kv(None)
+    if sync:  # the forward reads the blocks right after start_load_kv
+        got = blocks_bytes(layers, target)
+        assert "q" not in w._loads
+    else:
+        reported = wait_reported(w, "q")
+        assert reported == {"q"} and w.get_finished(set()) == (None, None)  # once
+        got = blocks_bytes(layers, target)
+    assert got == want and w.get_block_ids_with_load_errors() == set()
+    others = [b for b in range(BLOCKS) if b not in target]
+    assert blocks_bytes(layers, others) == blocks_bytes(before, others)
+    assert w.loaded_tokens == 2 * CHUNK and w.failed_tokens == 0
+
+
+def wait_reported(w: Worker, req_id: str) -> set[str]:
+    """`get_finished` each "step" until it reports the async load of `req_id`."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        _, done = w.get_finished(set())
+        if done:
+            return done
+        time.sleep(0.005)
+    raise AssertionError(f"the load of {req_id} was never reported")
+
+
+def test_a_chunk_the_cache_lacks_makes_its_blocks_load_errors_only(worker):
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    del w._kv.chunks[w._kv.hashed_spans(HASHES, [CHUNK, 2 * CHUNK])[1].key]
+    target = [4, 5, 6, 8]
+    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=False)])
+    w.start_load_kv(None)
+    assert wait_reported(w, "q") == {"q"}
+    assert w.get_block_ids_with_load_errors() == {6, 8}
+    assert blocks_bytes(layers, [4, 5]) == blocks_bytes_of(want, 0)
+    assert w.loaded_tokens == CHUNK and w.failed_tokens == CHUNK
