@@ -12,6 +12,7 @@ are compared with it.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -72,17 +73,32 @@ def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
     vt.worker_connector().flush()
     assert kv.flush(60)
     view = vt.scheduler_connector(llm)._view
+    # Everything the tiers hold now (the saves landed) is in the view's sets. Its planned
+    # saves are no guide on a slow machine: they are ignored after `saving_s`.
+    listed = {t: kv.cpu_keys(view._identity, t) for t in view._tiers}
+    assert None not in listed.values(), listed  # the manager answered
+    want = {t: set(keys) for t, keys in listed.items()}
     deadline = time.monotonic() + 20
-    while planned := [  # a planned save leaves once the view sees the tier admit it, or
-        # is ignored after `saving_s` (one never made: a block met a failed load lately)
-        h
-        for h, t in list(view._saving.items())
-        if time.monotonic() - t < view._saving_s
-    ]:
-        assert time.monotonic() < deadline, (planned, view.resyncs, view._cursor)
+    while True:
+        held = view._held  # None while a poll failed
+        missing = None if held is None else {t: len(want[t] - held[t]) for t in want}
+        if missing is not None and not any(missing.values()):
+            break
+        assert time.monotonic() < deadline, (missing, view.resyncs, view._cursor)
         time.sleep(0.02)
     assert llm.reset_prefix_cache()
     vt.run(llm, [PROMPTS["other"]], max_tokens=1)
+
+
+def freeze(view: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop the view's polls: it keeps listing what it lists now, whatever the tiers do,
+    and passes for fresh. A poll already running ends first (on a loaded machine its
+    reply could come after the tiers changed and undo the freeze)."""
+    ticked = threading.Event()
+    monkeypatch.setattr(view, "_poll", ticked.set)  # its poller calls this from now on
+    view._wake.set()
+    assert ticked.wait(20), "the view's poller did not come round in 20 s"
+    monkeypatch.setattr(view, "_polled_at", time.monotonic() + 3600)
 
 
 def first_answers(sched: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -123,9 +139,7 @@ def test_a_chunk_the_view_lists_but_the_tier_dropped_is_recomputed(engine, monke
     view = sched._view
     cold = vt.run(llm, [PROMPTS["dropped"]])[0]
     stored_and_seen(llm, kv)
-    # The view stops polling and keeps listing the chunks the tier is about to drop.
-    monkeypatch.setattr(view, "_poll", lambda: None)
-    monkeypatch.setattr(view, "_polled_at", time.monotonic() + 3600)
+    freeze(view, monkeypatch)  # it keeps listing the chunks the tier is about to drop
     kv.clear()
     worker = vt.worker_connector()
     failed, from_view = worker.failed_tokens, sched.lookups_from_view
@@ -179,11 +193,29 @@ def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, tu
     stored_and_seen(llm, kv)
     assert len(saved) == 4  # 3 whole chunks and the partial one
     tail = sched._kv.hashed_spans([saved[-1]], [224])[0].key.chunk_hash
-    deadline = time.monotonic() + 20
-    while tail not in sched._view._held["cpu"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_view(sched._view, kv, tail, cpu=True, disk=None)
     return tail
+
+
+def wait_for_view(view: Any, kv: raykv.KVCache, chunk: str, cpu: bool, disk: bool | None) -> None:
+    """Until the view lists `chunk` in the CPU tier or not (`cpu`), and on disk or not
+    (`disk`; None: either); on time-out, an error that says what the view and the tiers
+    held."""
+    deadline = time.monotonic() + 20
+    while True:
+        held = view._held  # None while a poll failed
+        if held is not None and (chunk in held["cpu"]) == cpu:
+            if disk is None or (chunk in held["disk"]) == disk:
+                return
+        if time.monotonic() > deadline:
+            seen = None if held is None else {t: chunk in keys for t, keys in held.items()}
+            tiers = {t: chunk in set(kv.cpu_keys(view._identity, t) or ()) for t in ("cpu", "disk")}
+            age = time.monotonic() - view._polled_at
+            raise AssertionError(
+                f"view lists {chunk[:12]} as {seen}, the manager as {tiers}; "
+                f"resyncs {view.resyncs}, cursor {view._cursor}, last poll {age:.1f} s ago"
+            )
+        time.sleep(0.05)
 
 
 def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, monkeypatch):
@@ -234,10 +266,7 @@ def test_a_partial_chunk_found_on_disk_only_loads_asynchronously(engine, monkeyp
     view = sched._view
     key = CacheKey.of(view._identity, tail)
     assert ray.get(kv._manager.remove.remote([key], ["cpu"])) == 1  # still on disk
-    deadline = time.monotonic() + 20
-    while tail in view._held["cpu"] or tail not in view._held["disk"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_view(view, kv, tail, cpu=False, disk=True)
     answers = first_answers(sched, monkeypatch)
     async_loads = sched.async_loads
     warm = vt.run(llm, [nxt])[0]
@@ -260,8 +289,7 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     stored_turn(llm, kv, monkeypatch, turn)
     view = sched._view
     with monkeypatch.context() as m:  # the view keeps listing what the tiers drop
-        m.setattr(view, "_poll", lambda: None)
-        m.setattr(view, "_polled_at", time.monotonic() + 3600)
+        freeze(view, m)
         kv.clear()
         answers = first_answers(sched, m)
         saved, failed = worker.saved_chunks, worker.failed_tokens
@@ -273,10 +301,29 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     vt.assert_same_output(warm, cold)
     with view._saving_lock:  # chunk 3's planned save never lands (the view forgets it in 2 s)
         view._saving.clear()
+    # The patch gave back the time of the view's last poll before it, maybe less than
+    # `stale_s` ago: its sets (from before the clear) would pass for current, and the next
+    # run would take chunks 0-2 for held and not store them. A poll made since comes first.
+    patched_until = time.monotonic()
+    deadline = patched_until + 20
+    while view._polled_at < patched_until:
+        assert time.monotonic() < deadline, (view.resyncs, view._cursor)
+        time.sleep(0.02)
+    saved = worker.saved_chunks
+    turn_answers = first_answers(sched, monkeypatch)
     vt.run(llm, [turn])  # chunks 0-2 stored again
     stored_and_seen(llm, kv)
+    listed = {t: len(kv.cpu_keys(view._identity, t)) for t in view._tiers}
+    assert listed["cpu"] >= 4, (turn_answers, listed, worker.saved_chunks - saved)
+    answers = first_answers(sched, monkeypatch)
+    names = ("lookups", "lookups_from_view", "lookups_timed_out", "lookups_refused")
+    counts = [getattr(sched, n) for n in names]
+    held = {t: len(k) for t, k in (view._held or {}).items()}
     again = vt.run(llm, [nxt])[0]
-    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK  # 0-2 and the partial chunk, not 3
+    counts = {n: getattr(sched, n) - c for n, c in zip(names, counts, strict=True)}
+    listed = {t: len(kv.cpu_keys(view._identity, t)) for t in view._tiers}
+    why = (answers, counts, held, listed, worker.saved_chunks - saved)
+    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK, why  # 0-2 and the partial chunk, not 3
     vt.assert_same_output(again, cold)
 
 
