@@ -21,7 +21,7 @@ Measured, per router, from each replica's own answer:
 * hit tokens: prompt tokens served from the replica's own raykv cache (the looked-up and
   retrieved prefix; a trailing partial chunk and the last token are always prefilled);
 * hit rate: hit tokens / prompt tokens;
-* mean TTFT: `ttft_s` measured inside the replica (the retrieve, the suffix prefill, the
+* mean TTFT: `ttft_s` measured inside the replica (lookup + retrieve + suffix prefill +
   first token), and mean end-to-end request latency seen by the driver.
 Goal: cache-aware >= 1.5x the hit tokens of random, and a lower mean TTFT.
 

@@ -18,7 +18,7 @@ Per prefix length and repetition (a fresh random prefix each time, + a 64-token 
   controller lists A for the whole prefix;
 * peer: B generates for the same prefix + a new suffix: its manager finds the prefix
   on A through the controller and pulls the objects from A's store (`hit_tiers`
-  {"peer": n}); TTFT = load + suffix prefill; `load` = the worker's retrieve;
+  {"peer": n}); TTFT = load + suffix prefill; `load` = lookup + retrieve;
 * local: B again (the prefix was promoted into B's CPU tier, a copy made after the peer
   hit was served: the driver flushes B first): `hit_tiers` {"cpu": n};
 * raw: B `ray.get`s an object of the same bytes that an actor on A put (moving the bytes

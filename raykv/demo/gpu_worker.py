@@ -62,17 +62,18 @@ class ModelWorker:
         usable = ((n - 1) // self.chunk_size) * self.chunk_size
         if usable == 0:
             return None, 0, {}
-        # One manager round trip, hit or miss: the retrieve finds the prefix (promoting
-        # lower tiers' chunks) and fills buffers sized for all of it; a shorter hit is
-        # sliced off (uninitialised buffers cost nothing where nothing is written).
-        buffers = self._empty_buffers(usable)
+        prefix = tokens[:usable]
+        hit = min(self.kv.lookup(prefix, pin=True), usable)
+        if hit == 0:
+            return None, 0, {}
+        buffers = self._empty_buffers(hit)
         mask, tiers = self.kv.retrieve(
-            tokens[:usable], KVTarget(self.connector, buffers), return_tiers=True
+            prefix[:hit], KVTarget(self.connector, buffers), return_tiers=True
         )
         got = int(mask.sum())
         if got == 0:
             return None, 0, {}
-        if got < usable:
+        if got < hit:  # a chunk vanished between lookup and retrieve: use what arrived
             buffers = [(k[:, :, :got], v[:, :, :got]) for k, v in buffers]
         return self._demo.cache_from_buffers(buffers, self.model.config), got, tiers
 
@@ -93,7 +94,7 @@ class ModelWorker:
     ) -> dict[str, Any]:
         """Greedy generation using raykv for the prompt's prefix; returns tokens and timings.
 
-        The result holds `tokens` (new ids), `ttft_s`, `load_s` (the retrieve: one manager call),
+        The result holds `tokens` (new ids), `ttft_s`, `load_s` (lookup + retrieve),
         `hit_tokens`, `hit_tiers` (hit tokens per tier they came from), `prompt_tokens`
         and `stored_tokens`; with `return_logits`, also `logits`: the CPU float tensor
         `[vocab]` that predicted the first new token (to compare warm and cold paths).

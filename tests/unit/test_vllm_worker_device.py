@@ -26,11 +26,13 @@ import numpy as np
 import pytest
 import torch
 
+_STUBS: list[str] = []  # modules standing in for vLLM's while this module imports
 if importlib.util.find_spec("vllm") is None:  # only the metadata's base class is vLLM's
     _parts = "vllm.distributed.kv_transfer.kv_connector.v1.base".split(".")
-    for _i in range(1, len(_parts) + 1):
-        sys.modules.setdefault(".".join(_parts[:_i]), types.ModuleType(".".join(_parts[:_i])))
-    sys.modules[".".join(_parts)].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
+    _STUBS = [".".join(_parts[:i]) for i in range(1, len(_parts) + 1)]
+    for _name in _STUBS:
+        sys.modules[_name] = types.ModuleType(_name)
+    sys.modules[_STUBS[-1]].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
 
 from raykv.client.staging import BufferPool  # noqa: E402
 from raykv.integrations.vllm_meta import (  # noqa: E402
@@ -42,6 +44,9 @@ from raykv.integrations.vllm_meta import (  # noqa: E402
 )
 from raykv.integrations.vllm_worker import WorkerSide  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
+
+for _name in _STUBS:  # later modules must see that vLLM is missing (and skip)
+    del sys.modules[_name]
 
 BLOCK, CHUNK, BLOCKS = 4, 8, 24  # tokens per block, per chunk; blocks in the cache
 SHAPE = (BLOCKS, 2, BLOCK, 16)  # vLLM's per-layer [num_blocks, kv_heads, block, 2 * head]
@@ -146,7 +151,7 @@ def hold_the_device(device: str) -> None:
     """Queue a long kernel on the compute stream, so that a copy that does not wait for
     the stream's earlier work would run first and read stale blocks."""
     if device == "cuda":
-        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU cycles; the host goes on
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles; the host goes on
 
 
 @pytest.fixture(params=DEVICES)
@@ -154,6 +159,10 @@ def worker(request):
     layers = random_bits(request.param, seed=0)
     w = Worker()
     w.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)})
+    if request.param == "cuda":  # kernels load on first use, which can make the host wait
+        save_a_step(w, layers, "cuda", warm_up=True)  # for the device: not in the test
+        w._kv.chunks.clear()
+        w._kv.puts = w.saved_chunks = 0
     try:
         yield w, layers, request.param
     finally:
@@ -164,20 +173,26 @@ SAVED = [3, 7, 1, 9]  # a request's blocks: two chunks of two blocks
 HASHES = [b"h0", b"h1"]
 
 
-def save_a_step(w: Worker, layers: list[torch.Tensor], device: str) -> bytes:
+def save_a_step(w: Worker, layers: list[torch.Tensor], device: str, warm_up: bool = False) -> bytes:
     """A step whose forward writes the request's blocks and whose next step overwrites
-    them at once (they were freed and reallocated): what it saved must be the first."""
+    them at once (they were freed and reallocated): what it saved must be the first.
+    On CUDA the forward's writes wait on the compute stream behind a long kernel while
+    the host goes on, so a save that did not wait for that stream would copy stale
+    blocks; nothing here makes the host wait for the device."""
     fresh = random_bits(device, seed=1)
+    want = blocks_bytes(fresh, SAVED)
+    idx = torch.tensor(SAVED, device=device)
     hold_the_device(device)
     for layer, new in zip(layers, fresh, strict=True):
-        layer[SAVED] = new[SAVED]  # the forward's writes, queued behind the long kernel
-    want = blocks_bytes(fresh, SAVED)
+        layer.index_copy_(0, idx, new.index_select(0, idx))  # the forward's writes
+    if device == "cuda" and not warm_up:
+        assert not torch.cuda.current_stream().query()  # still queued when the save starts
     w.step(saves=[SaveSpec("r", HASHES, 0, 2 * CHUNK, SAVED)])
     w.wait_for_save()
     if device == "cpu":  # the next step's handle_preemptions waits for the gather
         w.handle_preemptions(RayKVConnectorMetadata(writes=set(SAVED)))
     for layer in layers:
-        layer[SAVED] = 0  # the next step's forward reuses the blocks
+        layer.index_fill_(0, idx, 0)  # the next step's forward reuses the blocks
     w.drain()
     return want
 
