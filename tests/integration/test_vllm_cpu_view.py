@@ -15,6 +15,7 @@ import gc
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,19 +76,30 @@ def stored_and_seen(llm: Any, kv: raykv.KVCache) -> None:
     view = vt.scheduler_connector(llm)._view
     # Everything the tiers hold now (the saves landed) is in the view's sets. Its planned
     # saves are no guide on a slow machine: they are ignored after `saving_s`.
-    listed = {t: kv.cpu_keys(view._identity, t) for t in view._tiers}
-    assert None not in listed.values(), listed  # the manager answered
-    want = {t: set(keys) for t, keys in listed.items()}
-    deadline = time.monotonic() + 20
-    while True:
+    want = listed(kv, view)
+
+    def missing() -> dict[str, int] | None:
         held = view._held  # None while a poll failed
-        missing = None if held is None else {t: len(want[t] - held[t]) for t in want}
-        if missing is not None and not any(missing.values()):
-            break
-        assert time.monotonic() < deadline, (missing, view.resyncs, view._cursor)
-        time.sleep(0.02)
+        return None if held is None else {t: len(want[t] - held[t]) for t in want}
+
+    wait_for(lambda: missing() == dict.fromkeys(want, 0), lambda: (missing(), view.resyncs))
     assert llm.reset_prefix_cache()
     vt.run(llm, [PROMPTS["other"]], max_tokens=1)
+
+
+def wait_for(ready: Callable[[], bool], why: Callable[[], Any], seconds: float = 20) -> None:
+    """Poll until `ready()`; past `seconds`, fail with `why()` (what was seen instead)."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.02)
+
+
+def listed(kv: raykv.KVCache, view: Any) -> dict[str, set[str]]:
+    """The chunk hashes of the view's engine that the manager lists in each of its tiers."""
+    keys = {t: kv.cpu_keys(view._identity, t) for t in view._tiers}
+    assert None not in keys.values(), keys  # the manager answered
+    return {t: set(k) for t, k in keys.items()}
 
 
 def freeze(view: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,10 +178,7 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     # Out of the CPU tier, still on disk (saved there in the background: flushed above).
     keys = [CacheKey.of(view._identity, h) for h in saved]
     assert ray.get(kv._manager.remove.remote(keys, ["cpu"])) == len(keys) == 3
-    deadline = time.monotonic() + 20
-    while view.locate(saved) != ["disk"] * 3:
-        assert time.monotonic() < deadline, view.locate(saved)
-        time.sleep(0.05)
+    wait_for(lambda: view.locate(saved) == ["disk"] * 3, lambda: view.locate(saved))
     answers = first_answers(sched, monkeypatch)
     async_loads, from_view = sched.async_loads, sched.lookups_from_view
     warm = vt.run(llm, [PROMPTS["disk"]])[0]
@@ -181,7 +190,7 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     vt.assert_same_output(warm, cold)
 
 
-def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, turn: list) -> None:
+def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, turn: list) -> str:
     """`turn` (3 whole chunks, then blocks to 224) run and stored: its whole chunks and
     its partial last chunk, which the view saw the tier admit."""
     sched = vt.scheduler_connector(llm)
@@ -199,23 +208,20 @@ def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, tu
 
 def wait_for_view(view: Any, kv: raykv.KVCache, chunk: str, cpu: bool, disk: bool | None) -> None:
     """Until the view lists `chunk` in the CPU tier or not (`cpu`), and on disk or not
-    (`disk`; None: either); on time-out, an error that says what the view and the tiers
+    (`disk`; None: either); on time-out, an error that says what the view and the manager
     held."""
-    deadline = time.monotonic() + 20
-    while True:
+    want = {"cpu": cpu} if disk is None else {"cpu": cpu, "disk": disk}
+
+    def seen() -> dict[str, bool] | None:
         held = view._held  # None while a poll failed
-        if held is not None and (chunk in held["cpu"]) == cpu:
-            if disk is None or (chunk in held["disk"]) == disk:
-                return
-        if time.monotonic() > deadline:
-            seen = None if held is None else {t: chunk in keys for t, keys in held.items()}
-            tiers = {t: chunk in set(kv.cpu_keys(view._identity, t) or ()) for t in ("cpu", "disk")}
-            age = time.monotonic() - view._polled_at
-            raise AssertionError(
-                f"view lists {chunk[:12]} as {seen}, the manager as {tiers}; "
-                f"resyncs {view.resyncs}, cursor {view._cursor}, last poll {age:.1f} s ago"
-            )
-        time.sleep(0.05)
+        return None if held is None else {t: chunk in held[t] for t in want}
+
+    def why() -> str:
+        manager = {t: chunk in keys for t, keys in listed(kv, view).items()}
+        age = time.monotonic() - view._polled_at
+        return f"view {seen()}, manager {manager}, last poll {age:.1f} s ago"
+
+    wait_for(lambda: seen() == want, why)
 
 
 def test_a_chats_next_turn_loads_its_history_to_the_block_not_the_chunk(engine, monkeypatch):
@@ -248,10 +254,13 @@ def test_a_lookup_sent_to_the_manager_also_finds_the_partial_chunk(engine, monke
     assert (sched.lookups, sched.lookups_from_view) == (sent + 1, from_view)
     assert warm["cached"] == 3 * vt.CHUNK + vt.BLOCK
     vt.assert_same_output(warm, cold)
-    deadline = time.monotonic() + 20  # the load's read releases the pins (queued to the tier)
-    while (stats := kv.stats())["open_lookups"] or stats["tiers"]["cpu"]["pinned_entries"]:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
+
+    # The load's read releases the pins (queued to the tier).
+    def pins() -> tuple[int, int]:
+        stats = kv.stats()
+        return stats["open_lookups"], stats["tiers"]["cpu"]["pinned_entries"]
+
+    wait_for(lambda: pins() == (0, 0), pins)
 
 
 def test_a_partial_chunk_found_on_disk_only_loads_asynchronously(engine, monkeypatch):
@@ -304,26 +313,18 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     # The patch gave back the time of the view's last poll before it, maybe less than
     # `stale_s` ago: its sets (from before the clear) would pass for current, and the next
     # run would take chunks 0-2 for held and not store them. A poll made since comes first.
-    patched_until = time.monotonic()
-    deadline = patched_until + 20
-    while view._polled_at < patched_until:
-        assert time.monotonic() < deadline, (view.resyncs, view._cursor)
-        time.sleep(0.02)
+    unfrozen = time.monotonic()
+    wait_for(lambda: view._polled_at >= unfrozen, lambda: view.resyncs)
     saved = worker.saved_chunks
     turn_answers = first_answers(sched, monkeypatch)
     vt.run(llm, [turn])  # chunks 0-2 stored again
     stored_and_seen(llm, kv)
-    listed = {t: len(kv.cpu_keys(view._identity, t)) for t in view._tiers}
-    assert listed["cpu"] >= 4, (turn_answers, listed, worker.saved_chunks - saved)
+    cpu = listed(kv, view)["cpu"]
+    assert len(cpu) >= 4, (turn_answers, len(cpu), worker.saved_chunks - saved)
     answers = first_answers(sched, monkeypatch)
-    names = ("lookups", "lookups_from_view", "lookups_timed_out", "lookups_refused")
-    counts = [getattr(sched, n) for n in names]
-    held = {t: len(k) for t, k in (view._held or {}).items()}
     again = vt.run(llm, [nxt])[0]
-    counts = {n: getattr(sched, n) - c for n, c in zip(names, counts, strict=True)}
-    listed = {t: len(kv.cpu_keys(view._identity, t)) for t in view._tiers}
-    why = (answers, counts, held, listed, worker.saved_chunks - saved)
-    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK, why  # 0-2 and the partial chunk, not 3
+    # 0-2 and the partial chunk, not 3
+    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK, (answers, sched.lookups_from_view)
     vt.assert_same_output(again, cold)
 
 
