@@ -18,9 +18,9 @@ into that source's namespace), so each admission's prefix is:
 
 and each raykv source runs with `load_mode: async` and `sync`. Reported per arm, min /
 median / max over repeats: the streams' inter-token gaps while admissions run (p50,
-p99, max), the admissions' TTFT, the connector's load throughput (submission to the last
-block written, bytes of pages written), the engine process's CPU seconds per admission
-and torch's thread count.
+p99, max), the admissions' TTFT and the engine steps it took, the connector's load
+throughput (submission to the last block written, bytes of pages written), the engine
+process's CPU seconds per admission and torch's thread count.
 
 Goals (#25): p99 inter-token gap with async loads from disk or Redis <= 1.25x (a);
 async TTFT <= sync TTFT + one engine step, per source; load throughput >= 2 GB/s from CPU
@@ -193,6 +193,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     gaps: list[float] = []
     ttfts: list[float] = []
     steps: list[float] = []
+    adm_steps: list[int] = []  # engine steps from each admission's arrival to its token
     logged = len(connector.load_log) if connector is not None else 0
     cpu0 = time.process_time()
     for k, doc in enumerate(docs):
@@ -201,7 +202,9 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         t_add = time.perf_counter()
         eng.add_request(name, TokensPrompt(prompt_token_ids=prompt), one)
         done = False
+        n_steps = 0
         while not done:
+            n_steps += 1
             t0 = time.perf_counter()
             outs = eng.step()
             now = time.perf_counter()
@@ -212,6 +215,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
                     last[out.request_id] = now
                 elif out.request_id == name and out.finished:
                     ttfts.append(now - t_add)
+                    adm_steps.append(n_steps)
                     done = True
             if now - t_add > 120:
                 raise RuntimeError(f"admission {name} did not finish in 120 s")
@@ -223,6 +227,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     return {
         "gaps": gaps,
         "ttft": ttfts,
+        "adm_steps": adm_steps,
         "step_p50": statistics.median(steps),
         "cpu_per_admission": cpu / len(docs),
         "load_gbs": [b / s / 1e9 for _, b, s in loads if s > 0 and b > 0],
@@ -348,6 +353,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "p99": [percentile(r["gaps"], 0.99) for r in rows],
             "max": [max(r["gaps"]) for r in rows],
             "ttft": [statistics.median(r["ttft"]) for r in rows],
+            "adm_steps": [statistics.median(r.get("adm_steps") or [0]) for r in rows],
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
@@ -359,6 +365,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 spread(m["p99"]),
                 spread(m["max"]),
                 spread(m["ttft"]),
+                spread(m["adm_steps"], 1.0, ".1f"),
                 spread(m["gbs"], 1.0, ".2f"),
                 spread(m["cpu"], 1.0, ".2f"),
                 res["threads"],
@@ -371,6 +378,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "ITL p99 ms",
             "ITL max ms",
             "TTFT ms",
+            "steps to token",
             "load GB/s",
             "CPU s/adm.",
             "torch threads",

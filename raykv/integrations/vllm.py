@@ -29,7 +29,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
   tiers (CPU, and disk in async mode), the scheduler answers at once from its copy of
   their keys instead (`lookup_view`, `raykv.integrations.vllm_view`): no round trip.
 - load: a hit answers `(n, True)`: vLLM parks the request (`WAITING_FOR_REMOTE_KVS`)
-  and `start_load_kv` hands the copy to a loader thread; `get_finished` reports the
+  and the worker hands the copy to a loader thread (`start_load_kv`, after the forward's
+  launch; on CPU `handle_preemptions`, before the forward: there the forward's launch is
+  its end, and the load would wait a step); `get_finished` reports the
   request once its blocks are written (failed blocks in the same pass, and vLLM
   recomputes them). At most `max_loads_in_flight` loads at once; a hit whose chunks
   another request is loading waits and then finds them in vLLM's own cache; an abort or
@@ -202,6 +204,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._failed_in_step: deque[set[int]] = deque(maxlen=self._batches)
         self._loads: dict[str, WorkerLoad] = {}
+        self._loads_beside_forward = False  # CPU: async loads start before the forward
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._gatherer: ThreadPoolExecutor | None = None  # CPU: save copies after the step

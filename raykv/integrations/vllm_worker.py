@@ -60,6 +60,7 @@ class WorkerSide:
                 f"{self._block_size}: the raykv connector needs them equal"
             )
         self._pages = pages
+        self._loads_beside_forward = pages.device.type == "cpu"  # see handle_preemptions
         if pages.batched:  # device->host save copies run async only into pinned memory
             with self._pending_lock:
                 self._buffers.alloc = pinned_buffer
@@ -76,13 +77,24 @@ class WorkerSide:
         forward): the deferred save copies reading a block it may write end first.
         vLLM's V2 model runner calls it after its own per-step block updates (zeroing new
         blocks, copy-on-write), which apply only to layouts raykv refuses (several KV
-        cache groups, Mamba layers): with V2 and such a layout this would come late."""
+        cache groups, Mamba layers): with V2 and such a layout this would come late.
+
+        On CPU the step's async loads then start here, beside its forward. vLLM starts
+        them after the forward (`start_load_kv`), which on a GPU is only its launch but
+        on a CPU its end: the load would run beside the next step's forward instead,
+        and its request would wait a step more. Their blocks belong to requests that
+        wait for the load, so the forward does not touch them."""
+        meta = kv_connector_metadata
+        self._wait_for_gathers(meta)
+        if self._loads_beside_forward and isinstance(meta, RayKVConnectorMetadata):
+            self._start_async_loads(meta)
+
+    def _wait_for_gathers(self, meta: Any) -> None:
         gathers = self._gathers
         while gathers and gathers[0][1].done():
             gathers.popleft()
         if not gathers:
             return
-        meta = kv_connector_metadata
         writes = None  # not raykv's metadata: every copy ends first
         if isinstance(meta, RayKVConnectorMetadata):
             writes = set(meta.writes).union(*(spec.block_ids for spec in meta.loads))
@@ -104,7 +116,16 @@ class WorkerSide:
             if spec.sync:  # before this step's forward (on CUDA: the compute stream waits)
                 failed |= self._load(spec, None)
                 self._load_errors |= failed
-                continue
+        self._start_async_loads(meta)
+
+    def _start_async_loads(self, meta: RayKVConnectorMetadata) -> None:
+        """Hand the step's async loads to the loader thread, each once."""
+        if self._pages is None:
+            return
+        for spec in meta.loads:
+            load = self._loads.get(spec.req_id)
+            if spec.sync or (load is not None and load.spec is spec):
+                continue  # in the step, or started by handle_preemptions
             stop = threading.Event()
             future = self._loader.submit(self._load, spec, stop, time.perf_counter())
             self._loads[spec.req_id] = WorkerLoad(spec, future, stop)

@@ -92,6 +92,7 @@ class Worker(WorkerSide):
         self._load_errors: set[int] = set()
         self._failed_in_step: deque = deque(maxlen=2)
         self._loads: dict = {}
+        self._loads_beside_forward = False
         self._loader = self._saver = self._gatherer = None
         self._gathers: deque = deque()
         self._buffers = BufferPool(1 << 24)
@@ -237,6 +238,24 @@ def test_a_load_writes_the_saved_bytes_into_other_blocks_and_nothing_else(worker
     others = [b for b in range(BLOCKS) if b not in target]
     assert blocks_bytes(layers, others) == blocks_bytes(before, others)
     assert w.loaded_tokens == 2 * CHUNK and w.failed_tokens == 0
+
+
+def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
+    """On CPU the load starts in handle_preemptions, beside the step's forward (vLLM's
+    start_load_kv comes after the forward, a whole step later there); on CUDA after the
+    forward's launch. start_load_kv never starts it twice."""
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    reads = []
+    get_chunks = w._kv.get_chunks
+    w._kv.get_chunks = lambda spans, lookup_id=None: reads.append(1) or get_chunks(spans)
+    target = [10, 11, 20, 13]
+    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=False)])
+    w.handle_preemptions(w._get_connector_metadata())
+    assert ("q" in w._loads) == (device == "cpu")
+    w.start_load_kv(None)  # the forward ran in between
+    assert wait_reported(w, "q") == {"q"}
+    assert reads == [1] and blocks_bytes(layers, target) == want
 
 
 def wait_reported(w: Worker, req_id: str) -> set[str]:
