@@ -204,7 +204,6 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._failed_in_step: deque[set[int]] = deque(maxlen=self._batches)
         self._loads: dict[str, WorkerLoad] = {}
-        self._loads_beside_forward = False  # CPU: async loads start before the forward
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._gatherer: ThreadPoolExecutor | None = None  # CPU: save copies after the step

@@ -50,6 +50,8 @@ class WorkerSide:
     # Made by RayKVConnector.__init__.
     config: Any
     _kv: Any
+    # CPU: async loads start in handle_preemptions (set by register_kv_caches).
+    _loads_beside_forward = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layers = list(kv_caches.values())
@@ -60,7 +62,7 @@ class WorkerSide:
                 f"{self._block_size}: the raykv connector needs them equal"
             )
         self._pages = pages
-        self._loads_beside_forward = pages.device.type == "cpu"  # see handle_preemptions
+        self._loads_beside_forward = pages.device.type == "cpu"
         if pages.batched:  # device->host save copies run async only into pinned memory
             with self._pending_lock:
                 self._buffers.alloc = pinned_buffer

@@ -92,7 +92,6 @@ class Worker(WorkerSide):
         self._load_errors: set[int] = set()
         self._failed_in_step: deque = deque(maxlen=2)
         self._loads: dict = {}
-        self._loads_beside_forward = False
         self._loader = self._saver = self._gatherer = None
         self._gathers: deque = deque()
         self._buffers = BufferPool(1 << 24)
