@@ -20,8 +20,7 @@ and each raykv source runs with `load_mode: async` and `sync`. Reported per arm,
 median / max over repeats: the streams' inter-token gaps while admissions run (p50,
 p99, max), the admissions' TTFT and the engine steps it took, the connector's load
 throughput (submission to the last block written, bytes of pages written), the engine
-process's CPU seconds per admission, the milliseconds of steps the worker held for
-loads about to end (`load_wait_ms`) per admission, and torch's thread count.
+process's CPU seconds per admission and torch's thread count.
 
 Goals (#25): p99 inter-token gap with async loads from disk or Redis <= 1.25x (a);
 async TTFT <= sync TTFT + one engine step, per source; load throughput >= 2 GB/s from CPU
@@ -196,7 +195,6 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     steps: list[float] = []
     adm_steps: list[int] = []  # engine steps from each admission's arrival to its token
     logged = len(connector.load_log) if connector is not None else 0
-    waited = len(connector.load_waits) if connector is not None else 0
     cpu0 = time.process_time()
     for k, doc in enumerate(docs):
         name = f"a{rep}-{k}"
@@ -226,7 +224,6 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     while eng.has_unfinished_requests():
         eng.step()
     loads = list(connector.load_log)[logged:] if connector is not None else []
-    waits = list(connector.load_waits)[waited:] if connector is not None else []
     return {
         "gaps": gaps,
         "ttft": ttfts,
@@ -235,7 +232,6 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         "cpu_per_admission": cpu / len(docs),
         "load_gbs": [b / s / 1e9 for _, b, s in loads if s > 0 and b > 0],
         "load_tokens": sum(t for t, _, _ in loads),
-        "held_per_admission": sum(waits) / len(docs),  # steps held for ending loads
     }
 
 
@@ -360,7 +356,6 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "adm_steps": [statistics.median(r.get("adm_steps") or [0]) for r in rows],
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
-            "held": [r.get("held_per_admission", 0.0) for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
         }
         table.append(
@@ -373,7 +368,6 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 spread(m["adm_steps"], 1.0, ".1f"),
                 spread(m["gbs"], 1.0, ".2f"),
                 spread(m["cpu"], 1.0, ".2f"),
-                spread(m["held"], 1e3, ".1f"),
                 res["threads"],
             ]
         )
@@ -387,7 +381,6 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "steps to token",
             "load GB/s",
             "CPU s/adm.",
-            "held ms/adm.",
             "torch threads",
         ],
         table,

@@ -31,8 +31,7 @@ Nothing holds the engine still (`load_mode: async`, the default):
 - load: a hit answers `(n, True)`: vLLM parks the request (`WAITING_FOR_REMOTE_KVS`)
   and the worker hands the copy to a loader thread (`start_load_kv`, which vLLM calls
   after the forward's launch when no load is in-step; on CPU `handle_preemptions`, before
-  the forward, since there the launch is its end, and `get_finished` gives a load about
-  to end up to `load_wait_ms` of the step); `get_finished` reports the
+  the forward, since there the launch is its end); `get_finished` reports the
   request once its blocks are written (failed blocks in the same pass, and vLLM
   recomputes them). At most `max_loads_in_flight` loads at once; a hit whose chunks
   another request is loading waits and then finds them in vLLM's own cache; an abort or
@@ -248,7 +247,6 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         # The latest loads as (tokens written, bytes written, seconds from submission to
         # the last block written): the load throughput the benchmark reports.
         self.load_log: deque[tuple[int, int, float]] = deque(maxlen=1024)
-        self.load_waits: deque[float] = deque(maxlen=1024)  # seconds steps held for loads
         # The latest steps' in-step save work as (bytes copied, seconds in wait_for_save),
         # and on CPU the copies out of the blocks, made after the step (bytes, seconds).
         self.save_log: deque[tuple[int, float]] = deque(maxlen=1024)

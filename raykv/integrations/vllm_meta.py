@@ -104,14 +104,11 @@ class RequestState:
 @dataclass(slots=True)
 class WorkerLoad:
     """An asynchronous load on a worker: its spec, its loader thread's future (the block
-    ids it could not write), a flag that stops it at the next chunk, and its progress as
-    the loader reports it (bytes still to copy, -1 before it knows; bytes per second)."""
+    ids it could not write) and a flag that stops it at the next chunk."""
 
     spec: LoadSpec
+    future: Future
     stop: threading.Event
-    future: Future | None = None
-    left: int = -1
-    rate: float = 0.0
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -133,18 +133,16 @@ class WorkerSide:
         for spec in meta.loads:
             if spec.sync:  # in the step
                 continue
-            load = WorkerLoad(spec, threading.Event())
-            load.future = self._loader.submit(self._load, spec, load, time.perf_counter())
-            self._loads[spec.req_id] = load
+            stop = threading.Event()
+            future = self._loader.submit(self._load, spec, stop, time.perf_counter())
+            self._loads[spec.req_id] = WorkerLoad(spec, future, stop)
 
     def _load(
-        self, spec: LoadSpec, load: WorkerLoad | None, submitted: float | None = None
+        self, spec: LoadSpec, stop: threading.Event | None, submitted: float | None = None
     ) -> set[int]:
         """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
-        fill. On the loader thread (`load` given) a set `load.stop` or the load time-out
-        ends it at a chunk boundary, so no copy is still writing once it returns; on CPU
-        it reports its progress in `load` as it goes (`_wait_for_ending_loads`)."""
-        stop = load.stop if load is not None else None
+        fill. A set `stop` or the load time-out ends it at a chunk boundary, so no copy
+        is still writing once it returns."""
         bs, done = self._block_size, spec.start  # done: written (reached: copies queued)
         submitted = time.perf_counter() if submitted is None else submitted
         deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
@@ -154,10 +152,6 @@ class WorkerSide:
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
             parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
             reached = done
-            per_token = self._pages.block_nbytes / bs
-            t_copy = time.perf_counter()
-            if load is not None:
-                load.left = int((spec.end - done) * per_token)
             for span, buf, meta in chunks:
                 if stop is not None and (stop.is_set() or time.monotonic() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
@@ -172,10 +166,6 @@ class WorkerSide:
                 else:
                     self._pages.load(*part)
                     done = hi
-                    if load is not None:
-                        load.left = int((spec.end - done) * per_token)
-                        elapsed = time.perf_counter() - t_copy
-                        load.rate = (done - spec.start) * per_token / elapsed if elapsed else 0.0
                 reached = hi
             if parts:
                 written = self._pages.load_batch(parts)
@@ -210,33 +200,11 @@ class WorkerSide:
             load = self._loads.get(req_id)
             if load is not None:
                 load.stop.set()
-        self._wait_for_ending_loads()
         done = {req_id for req_id, load in self._loads.items() if load.future.done()}
         for req_id in done:
             self._load_errors |= self._loads.pop(req_id).future.result()
         self._worker_exported.export(self)
         return None, done or None
-
-    def _wait_for_ending_loads(self) -> None:
-        """On CPU, give the loads about to end up to `load_wait_ms` of this step: one that
-        ends in time is reported now and its request runs in the next step, not a step
-        later. After the forward the loader has the core alone, so a load whose bytes
-        left take at most the wait at the rate it copied beside the forward ends in it.
-        The step is held at most `load_wait_ms` in all (0: never)."""
-        budget = self.config.load_wait_ms / 1000.0
-        if budget <= 0 or not self._loads_beside_forward:
-            return
-        deadline = time.perf_counter() + budget
-        for load in self._loads.values():
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            if load.future.done() or load.stop.is_set() or load.left < 0:
-                continue
-            if load.left <= load.rate * left:
-                t0 = time.perf_counter()
-                wait([load.future], timeout=left)
-                self.load_waits.append(time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads write whole blocks of every layer before they are reported

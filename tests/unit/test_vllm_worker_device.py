@@ -85,7 +85,7 @@ class Worker(WorkerSide):
     """The worker-side state `RayKVConnector.__init__` makes, without the engine."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(load_timeout_ms=10_000, save_after_step=True, load_wait_ms=5)
+        self.config = SimpleNamespace(load_timeout_ms=10_000, save_after_step=True)
         self._block_size, self._chunk = BLOCK, CHUNK
         self._kv = DictCache()
         self._pages = None
@@ -100,7 +100,6 @@ class Worker(WorkerSide):
         for name in WORKER_COUNTER_METRICS:
             setattr(self, name, 0)
         self.load_log: deque = deque()
-        self.load_waits: deque = deque()
         self.save_log: deque = deque()
         self.gather_log: deque = deque()
         self.saved_chunks = self.dropped_saves = 0
@@ -256,65 +255,6 @@ def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
     w.start_load_kv(None)  # the forward ran in between
     assert wait_reported(w, "q") == {"q"}
     assert reads == [1] and blocks_bytes(layers, target) == want
-
-
-def slow_second_chunk(w: Worker, first_s: float, second_s: float) -> None:
-    """The load's first chunk copy takes `first_s`, its second `second_s`."""
-    real, calls = w._pages.load, []
-
-    def load(*part: Any) -> None:
-        calls.append(1)
-        time.sleep(first_s if len(calls) == 1 else second_s)
-        real(*part)
-
-    w._pages.load = load
-
-
-def after_first_chunk(w: Worker, req_id: str) -> None:
-    deadline = time.monotonic() + 10
-    while not 0 <= w._loads[req_id].left < 2 * CHUNK * w._pages.block_nbytes // BLOCK:
-        assert time.monotonic() < deadline, "the first chunk was never copied"
-        time.sleep(0.001)
-
-
-@pytest.mark.parametrize("wait_ms", [0, 2000])
-def test_a_load_about_to_end_is_waited_for_at_most_load_wait_ms(worker, wait_ms):
-    """On CPU, get_finished gives a load whose bytes left it copies in time up to
-    `load_wait_ms` of the step, so its request runs a step earlier; 0 never waits."""
-    w, layers, device = worker
-    if device != "cpu":
-        pytest.skip("CPU engines only: on CUDA the forward is only launched by then")
-    want = save_a_step(w, layers, device)
-    w.config.load_wait_ms = wait_ms
-    slow_second_chunk(w, 0.0, 0.3)
-    target = [10, 11, 20, 13]
-    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=False)])
-    w.handle_preemptions(w._get_connector_metadata())
-    after_first_chunk(w, "q")
-    t0 = time.perf_counter()
-    _, done = w.get_finished(set())
-    if wait_ms:
-        assert done == {"q"} and len(w.load_waits) == 1
-        assert blocks_bytes(layers, target) == want
-    else:
-        assert done is None and not w.load_waits and time.perf_counter() - t0 < 0.2
-        assert wait_reported(w, "q") == {"q"}
-
-
-def test_a_load_that_would_outlast_the_wait_is_not_waited_for(worker):
-    w, layers, device = worker
-    if device != "cpu":
-        pytest.skip("CPU engines only")
-    save_a_step(w, layers, device)
-    w.config.load_wait_ms = 100  # at the first chunk's rate the second takes 0.3 s
-    slow_second_chunk(w, 0.3, 0.3)
-    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, [10, 11, 20, 13], sync=False)])
-    w.handle_preemptions(w._get_connector_metadata())
-    after_first_chunk(w, "q")
-    t0 = time.perf_counter()
-    assert w.get_finished(set()) == (None, None)
-    assert not w.load_waits and time.perf_counter() - t0 < 0.1
-    assert wait_reported(w, "q") == {"q"}
 
 
 def wait_reported(w: Worker, req_id: str) -> set[str]:
