@@ -201,10 +201,8 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         prompt = doc + tokens(100 * rep + k, QUESTION)
         t_add = time.perf_counter()
         eng.add_request(name, TokensPrompt(prompt_token_ids=prompt), one)
-        done = False
-        n_steps = 0
+        done, first_step = False, len(steps)
         while not done:
-            n_steps += 1
             t0 = time.perf_counter()
             outs = eng.step()
             now = time.perf_counter()
@@ -215,7 +213,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
                     last[out.request_id] = now
                 elif out.request_id == name and out.finished:
                     ttfts.append(now - t_add)
-                    adm_steps.append(n_steps)
+                    adm_steps.append(len(steps) - first_step)
                     done = True
             if now - t_add > 120:
                 raise RuntimeError(f"admission {name} did not finish in 120 s")
@@ -353,7 +351,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "p99": [percentile(r["gaps"], 0.99) for r in rows],
             "max": [max(r["gaps"]) for r in rows],
             "ttft": [statistics.median(r["ttft"]) for r in rows],
-            "adm_steps": [statistics.median(r.get("adm_steps") or [0]) for r in rows],
+            "adm_steps": [statistics.median(r["adm_steps"]) for r in rows],
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
