@@ -53,7 +53,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "raykv_connector_loads": (
         "counter",
-        "A vLLM engine's raykv hits (async load mode) by how they loaded: async or in_step.",
+        "A vLLM engine's raykv hits (async load mode) by how they loaded: async or in_step; "
+        "recomputed: a load that wrote no block, its request computed instead.",
         ("mode",),
     ),
     "raykv_connector_load_tokens": (

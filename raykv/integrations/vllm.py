@@ -240,6 +240,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self.waits_for_load = 0  # steps a hit waited for another request's load or the cap
         self.async_loads = 0
         self.small_sync_loads = 0  # async mode: hits small enough to load in their step
+        self.loads_failed_whole = 0  # loads that wrote no block: their requests computed
         self.loaded_tokens = 0
         self.failed_tokens = 0
         self.saved_chunks = 0
@@ -267,9 +268,13 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         if not self._keyed:
             return 0, False
         state = self._requests.get(request.request_id)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return self._unread(request, state)
         if state is None or state.preemptions != request.num_preemptions:
             state = self._lookup(request, state, num_computed_tokens)
             self._wait_briefly(state)
+        elif state.load_planned:
+            return self._after_failed_load(state)
         hit = self._answer(state)
         if hit is None:
             self.waits_for_lookup += 1
@@ -289,6 +294,34 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             self.waits_for_load += 1
             return None, False  # wait: another load finishes first (then vLLM's cache holds it)
         return n, True
+
+    def _unread(self, request: Request, state: RequestState | None) -> tuple[int, bool]:
+        """A request vLLM computes whole whatever is cached (`skip_reading_prefix_cache`:
+        prompt logprobs, some pooling): no lookup (vLLM would drop its answer, and the
+        lookup's pins and slot would stay taken until the request ends); its KV is
+        saved as it is computed."""
+        if state is None or state.preemptions != request.num_preemptions:
+            if state is not None:
+                self._release(state)
+            lookup_id = f"vllm-{request.request_id}-{request.num_preemptions}-unread"
+            self._requests[request.request_id] = RequestState(
+                request, lookup_id, request.num_preemptions
+            )
+        return 0, False
+
+    def _after_failed_load(self, state: RequestState) -> tuple[int, bool]:
+        """vLLM asks again for a request whose load was sent: the load wrote none of its
+        blocks (vLLM freed them and queued the request again; a load that wrote some
+        resumes with those and is never asked again). The request is computed: a chunk
+        that could not be read (evicted since the lookup, a tier that restarted, a load
+        that timed out) would fail the same way, and the request would never run. What
+        it computes is saved again."""
+        state.load_planned = False
+        state.hit = state.saved = 0
+        state.tail_saved = False
+        self.loads_failed_whole += 1
+        logger.info("raykv: the load of %s wrote no block; vLLM computes it", state.lookup_id)
+        return 0, False
 
     def _small(self, n: int) -> bool:
         """Whether a hit of `n` tokens is loaded in its step even in async mode: its copy
@@ -331,17 +364,29 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             return state  # computed: a request is never held for a lookup slot
         self.lookups += 1
         self._lookups_in_flight += 1
-        state.lookup = self._lookups.submit(self._pinned_lookup, spans, lookup_id, candidates)
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
+        state.lookup = self._lookups.submit(
+            self._pinned_lookup, spans, lookup_id, candidates, state.deadline
+        )
         return state
 
     def _pinned_lookup(
-        self, spans: list[Any], lookup_id: str, tails: TailCandidates | None = None
+        self,
+        spans: list[Any],
+        lookup_id: str,
+        tails: TailCandidates | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, list]:
         """On a lookup thread: prefix tokens ready in CPU for `spans` (and one of `tails`
         after them), pinned (0: nothing pinned, nothing to release), and the tiers they
-        were found in."""
+        were found in. A lookup that waited in the queue past its `deadline` (a slow
+        manager) is not sent: its request is computed already, and a backlog of such
+        lookups would keep the manager busy promoting chunks nobody reads."""
         timeout = self.config.lookup_timeout_ms / 1e3
+        if deadline is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                return 0, []
         try:  # one manager round trip: prefetch, wait, and no pins left on a miss
             return self._kv.fetch_spans(spans, lookup_id, timeout, tails)
         except Exception as exc:  # never fail the request (or the engine) over the cache
@@ -437,7 +482,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         if state is None:
             return
         if num_external_tokens <= 0:  # nothing to load (or a later call after an async load)
-            if state.lookup is None and state.pinned:
+            if state.lookup is not None:  # vLLM scheduled it without the lookup's answer
+                self._release(state)
+            elif state.pinned:
                 self._kv.unpin(state.lookup_id, wait=False)
                 state.pinned = False
             return
@@ -460,6 +507,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             tail=tail,
         )
         self._pending_loads.append(spec)
+        state.load_planned = True
         self.fillers.hit(hashes, start, end)
         state.pinned = False  # the worker's read releases the pins
         if self._async and spec.sync:

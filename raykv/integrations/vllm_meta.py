@@ -99,6 +99,7 @@ class RequestState:
     sources: list[tuple[str, int]] = field(default_factory=list)  # where raykv found it
     lower: bool = False  # answered from the view with chunks on disk: loaded async
     tail_saved: bool = False  # its prompt's partial last chunk was planned for saving
+    load_planned: bool = False  # a load of its hit was sent to the workers
 
 
 @dataclass(slots=True)
@@ -195,6 +196,7 @@ COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "waits_for_load": ("raykv_connector_waits", {"reason": "load"}),
     "async_loads": ("raykv_connector_loads", {"mode": "async"}),
     "small_sync_loads": ("raykv_connector_loads", {"mode": "in_step"}),
+    "loads_failed_whole": ("raykv_connector_loads", {"mode": "recomputed"}),
 }
 WORKER_COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "loaded_tokens": ("raykv_connector_load_tokens", {"result": "loaded"}),

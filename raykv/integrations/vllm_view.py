@@ -211,8 +211,9 @@ class CPUView:
                     return
                 self._held = {t: set(keys) for t, keys in held.items()}
                 self.resyncs += 1
+                sets = list(self._held.values())
                 with self._saving_lock:  # admitted meanwhile: in the snapshot
-                    for key in [k for k in self._saving if any(k in v for v in held.values())]:
+                    for key in [k for k in self._saving if any(k in s for s in sets)]:
                         del self._saving[key]
             else:
                 self._apply(changes)

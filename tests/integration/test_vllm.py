@@ -560,6 +560,73 @@ def test_an_abort_during_a_load_frees_every_block_and_pin(engine, reference, mon
     wait_unpinned(kv)
 
 
+def finish(llm: Any, request_id: str, tokens: list[int], params: Any, steps: int = 300) -> Any:
+    """Run one request to its end in at most `steps` engine steps (a request that never
+    finishes fails the test instead of hanging it)."""
+    eng = llm.llm_engine
+    eng.add_request(request_id, vt.tokens_prompt(tokens), params)
+    for _ in range(steps):
+        for out in eng.step():
+            if out.request_id == request_id and out.finished:
+                return out
+    eng.abort_request([request_id])
+    pytest.fail(f"{request_id} did not finish in {steps} engine steps")
+
+
+def test_a_load_that_writes_no_block_is_computed(engine, reference, monkeypatch):
+    """A load whose read comes back empty (its chunks evicted since the lookup, a tier
+    that restarted) writes none of its blocks: the request is computed, with plain
+    vLLM's output. An async one is queued again by vLLM and asked again: it must not be
+    loaded again (the same read would fail forever and the request never run)."""
+    llm, _, kv = engine
+    vt.run(llm, [PROMPTS["long"]])
+    settle(llm, kv)
+    baseline = free_blocks(llm)
+    worker, sched = vt.worker_connector(), vt.scheduler_connector(llm)
+    real = worker._kv.get_chunks
+
+    def empty(spans: Any, lookup_id: Any = None) -> tuple[list, list]:
+        real(spans, lookup_id)  # the read happens (and releases the pins), and finds nothing
+        return [], []
+
+    monkeypatch.setattr(worker._kv, "get_chunks", empty)
+    failed, recomputed, loads = worker.failed_tokens, sched.loads_failed_whole, sched.async_loads
+    out = vt.result(finish(llm, "empty-read", PROMPTS["long"], vt.sampling(6)))
+    assert worker.failed_tokens >= failed + 4 * vt.CHUNK
+    vt.assert_same_output(out, reference["long"])
+    if sched.config.load_mode == "async":
+        assert (sched.async_loads, sched.loads_failed_whole) == (loads + 1, recomputed + 1)
+    monkeypatch.undo()
+    llm.reset_prefix_cache()
+    assert free_blocks(llm) == baseline
+    wait_unpinned(kv)
+
+
+def test_a_request_that_skips_the_prefix_cache_sends_no_lookup(engine, reference):
+    """vLLM computes a request with `skip_reading_prefix_cache` (prompt logprobs) whole
+    and drops any hit: raykv sends no lookup for it (its pins and lookup slot would stay
+    taken until the request ends), and still saves what it computes."""
+    from vllm import SamplingParams
+
+    llm, _, kv = engine
+    tokens = vt.prompt(41, 3 * vt.CHUNK + 21)
+    vt.run(llm, [tokens])
+    settle(llm, kv)
+    sched = vt.scheduler_connector(llm)
+    lookups, from_view = sched.lookups, sched.lookups_from_view
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, logprobs=3, detokenize=False, skip_reading_prefix_cache=True
+    )
+    out = vt.result(finish(llm, "unread", tokens, params))
+    assert out["cached"] == 0
+    assert (sched.lookups, sched.lookups_from_view) == (lookups, from_view)
+    assert sched._lookups_in_flight == 0 and "unread" not in sched._requests
+    settle(llm, kv)
+    again = vt.run(llm, [tokens])[0]
+    assert again["cached"] == 3 * vt.CHUNK and again["tokens"] == out["tokens"]
+    wait_unpinned(kv)
+
+
 def test_a_timed_out_load_is_recomputed(engine, reference, monkeypatch):
     llm, _, kv = engine
     async_only(llm)
