@@ -79,6 +79,7 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             KEY_VERSION,
             _vllm_version(),
             _device_type(),
+            _cpu_isa(vllm_config, spec),
             getattr(vllm_config.attention_config, "backend", None) or "auto",
             getattr(kv_cache_config, "kv_cache_layout", None),
             type(spec).__name__,
@@ -88,9 +89,11 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             spec.head_size,
             getattr(spec, "head_size_v", spec.head_size),
             dtype,
-            n_layers,
+            _keyed_layers(vllm_config, n_layers),
             model,
             getattr(vllm_config.model_config, "revision", None),
+            getattr(vllm_config.model_config, "quantization", None),  # on-the-fly: other KV
+            sorted((getattr(vllm_config.model_config, "hf_overrides", None) or {}).items()),
         )
     )
     readable = _MODEL_CHARS.sub("_", str(model).rstrip("/").rsplit("/", 1)[-1])[-48:] or "model"
@@ -116,15 +119,27 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
     return spec, len(groups[0].layer_names)
 
 
+def _keyed_layers(vllm_config: VllmConfig, n_layers: int) -> int | str:
+    """The layer count the keys fold in: this rank's, or with pipeline parallelism the
+    model's (a stage holds its own layers, and stages of an uneven split hold different
+    numbers: the scheduler, which keys every rank, knows only stage 0's)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return n_layers
+    return f"{vllm_config.model_config.get_total_num_hidden_layers()} in {pp} stages"
+
+
 def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> str:
     """What an engine's keys fold in, in words (for the log line that names an engine of
     another layout sharing a namespace, whose chunks this engine can never hit)."""
     spec, n_layers = _attention_spec(kv_cache_config)
     parallel = vllm_config.parallel_config
     backend = getattr(vllm_config.attention_config, "backend", None) or "auto"
+    isa = _cpu_isa(vllm_config, spec)
+    device = _device_type() + (f" ({isa})" if isa else "")
     return (
         f"{vllm_config.model_config.model}: TP={parallel.tensor_parallel_size} "
-        f"PP={parallel.pipeline_parallel_size}, {_device_type()}, backend {backend}, "
+        f"PP={parallel.pipeline_parallel_size}, {device}, backend {backend}, "
         f"block size {vllm_config.cache_config.block_size}, chunk size {chunk_size}, "
         f"{str(spec.dtype).removeprefix('torch.')} KV, {n_layers} layers, {_vllm_version()}"
     )
@@ -144,6 +159,24 @@ def _vllm_version() -> str:
     import vllm
 
     return "vllm-" + ".".join(vllm.__version__.split(".")[:2])
+
+
+def _cpu_isa(vllm_config: VllmConfig, spec: Any) -> str | None:
+    """On CPU, the instruction set vLLM's attention packs K for (AMX, AVX-512/AVX2,
+    NEON...): the pages of two hosts with the same shape and dtype but another ISA are
+    not interchangeable. None off CPU."""
+    if _device_type() != "cpu":
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, dtype)
+    except Exception as exc:  # a vLLM without it: key by the CPU's flags instead
+        import torch
+
+        logger.debug("vLLM's CPU attention ISA unknown (%r)", exc)
+        return f"amx={torch.cpu._is_amx_tile_supported()},avx512={torch.cpu._is_avx512_supported()}"
 
 
 def _device_type() -> str:

@@ -25,15 +25,19 @@ def configs(
     groups: int = 1,
     tp: int = 1,
     backend: str | None = None,
+    pp: int = 1,
+    layers: int = 32,
 ) -> tuple[Any, Any]:
     spec = SimpleNamespace(block_size=block_size, num_kv_heads=8, head_size=128, dtype=dtype)
-    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(32)])
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups, kv_cache_layout="LBHNC")
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
         cache_config=SimpleNamespace(block_size=block_size),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model=model, revision=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(
+            model=model, revision=None, get_total_num_hidden_layers=lambda: 27
+        ),
         attention_config=SimpleNamespace(backend=backend),
     )
     return vllm_config, kv_cache_config
@@ -70,6 +74,42 @@ def test_layout_fingerprint_separates_keys(change):
 
 def test_same_engine_config_gives_the_same_keys_in_every_process():
     assert raykv_config(*configs()).model_name == raykv_config(*configs()).model_name
+
+
+def test_the_cpu_instruction_set_and_quantization_separate_keys(monkeypatch):
+    """vLLM's CPU attention packs K for the host's instruction set, and on-the-fly
+    quantization changes the KV of the same checkpoint: neither may share keys."""
+    from raykv.integrations import vllm_setup
+
+    monkeypatch.setattr(vllm_setup, "_device_type", lambda: "cpu")
+    monkeypatch.setattr(vllm_setup, "_cpu_isa", lambda cfg, spec: "vec")
+    vec = raykv_config(*configs()).model_name
+    monkeypatch.setattr(vllm_setup, "_cpu_isa", lambda cfg, spec: "amx")
+    assert raykv_config(*configs()).model_name != vec
+    vllm_config, kv_cache_config = configs()
+    vllm_config.model_config.quantization = "fp8"
+    assert (
+        raykv_config(vllm_config, kv_cache_config).model_name != raykv_config(*configs()).model_name
+    )
+
+
+def test_the_real_cpu_instruction_set_is_named():
+    from raykv.integrations.vllm_setup import _cpu_isa
+
+    spec = SimpleNamespace(block_size=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    assert _cpu_isa(configs()[0], spec) in {"amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv"}
+
+
+def test_pipeline_stages_of_an_uneven_split_key_alike():
+    """With PP every stage (and the scheduler, which has stage 0's config) keys by the
+    model's layer count: 27 layers in 2 stages hold 14 and 13, and keys from the layer
+    count of each would never agree (every hit lost). One stage keys by its own."""
+    first = raykv_config(*configs(pp=2, layers=14)).model_name
+    assert raykv_config(*configs(pp=2, layers=13)).model_name == first
+    assert (
+        raykv_config(*configs(layers=14)).model_name != raykv_config(*configs(layers=13)).model_name
+    )
+    assert raykv_config(*configs(pp=2, layers=14)).world_size == 2
 
 
 def test_world_size_is_the_tp_world():
