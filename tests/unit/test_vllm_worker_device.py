@@ -71,7 +71,9 @@ class DictCache:
             self.chunks[span.key] = (bytes(buf), meta)
         self.puts += 1
 
-    def get_chunks(self, spans: list, lookup_id: str | None = None) -> tuple[list, list]:
+    def get_chunks(
+        self, spans: list, lookup_id: str | None = None, timeout: float | None = None
+    ) -> tuple[list, list]:
         out = []
         for span in spans:
             if span.key not in self.chunks:
@@ -85,7 +87,9 @@ class Worker(WorkerSide):
     """The worker-side state `RayKVConnector.__init__` makes, without the engine."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(load_timeout_ms=10_000, save_after_step=True)
+        self.config = SimpleNamespace(
+            load_timeout_ms=10_000, lookup_timeout_ms=3000, save_after_step=True
+        )
         self._block_size, self._chunk = BLOCK, CHUNK
         self._kv = DictCache()
         self._pages = None
@@ -247,7 +251,7 @@ def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
     want = save_a_step(w, layers, device)
     reads = []
     get_chunks = w._kv.get_chunks
-    w._kv.get_chunks = lambda spans, lookup_id=None: reads.append(1) or get_chunks(spans)
+    w._kv.get_chunks = lambda spans, lookup_id=None, **kw: reads.append(1) or get_chunks(spans)
     target = [10, 11, 20, 13]
     w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=False)])
     w.handle_preemptions(w._get_connector_metadata())
@@ -255,6 +259,39 @@ def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
     w.start_load_kv(None)  # the forward ran in between
     assert wait_reported(w, "q") == {"q"}
     assert reads == [1] and blocks_bytes(layers, target) == want
+
+
+def test_an_async_load_timed_out_in_its_queue_reads_nothing_and_frees_its_pins(worker):
+    """The load time-out counts from the load's submission: one that waited in the
+    loader's queue past it (or was aborted there) is reported failed without reading,
+    and its lookup's pins are released (its read would have released them)."""
+    w, layers, device = worker
+    save_a_step(w, layers, device)
+    reads, unpinned = [], []
+    w._kv.get_chunks = lambda *a, **kw: reads.append(1) or ([], [])
+    w._kv.unpin = lambda lookup_id, wait=True: unpinned.append(lookup_id)
+    w.config.load_timeout_ms = 50
+    spec = LoadSpec("q", "lookup-q", HASHES, 0, 2 * CHUNK, [10, 11, 20, 13], sync=False)
+    failed = w._load(spec, threading.Event(), time.perf_counter() - 0.1)
+    assert failed == {10, 11, 20, 13} and reads == [] and unpinned == ["lookup-q"]
+    assert w.failed_tokens == 2 * CHUNK
+
+
+def test_an_in_step_load_reads_for_at_most_the_lookup_timeout(worker):
+    """A load in the step (the engine waits for it) gives its read `lookup_timeout_ms`:
+    the read is bounded by it (a slow manager or object store is a miss, never a step
+    held for minutes)."""
+    w, layers, device = worker
+    save_a_step(w, layers, device)
+    timeouts = []
+    get_chunks = w._kv.get_chunks
+    w._kv.get_chunks = lambda spans, lookup_id=None, timeout=None: (
+        timeouts.append(timeout) or get_chunks(spans)
+    )
+    w.config.lookup_timeout_ms = 200
+    target = [10, 11, 20, 13]
+    assert w._load(LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=True), None) == set()
+    assert len(timeouts) == 1 and 0 < timeouts[0] <= 0.2
 
 
 def wait_reported(w: Worker, req_id: str) -> set[str]:
