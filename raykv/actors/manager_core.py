@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 MAX_ENGINE_NAMES = 64
 # `wait` on a lookup id it does not know waits this long for its prefetch to arrive.
 WAIT_FOR_PREFETCH_SECS = 1.0
+# What a call given a timeout may take beyond it to answer (its reply on a busy machine).
+CONTROL_SLACK_SECS = 5.0
 
 
 @dataclass(slots=True)
@@ -155,8 +157,8 @@ class ManagerCore:
             self._close(lookup_id)
         return expired
 
-    def _close(self, lookup_id: str) -> Lookup | None:
-        rec = self._index.close(lookup_id)
+    def _close(self, lookup_id: str, early: bool = False) -> Lookup | None:
+        rec = self._index.close(lookup_id, early)
         # A prefetch still loading unpins when it finishes (it may pin more first).
         if rec is not None and self._t.cpu is not None and not rec.loading():
             self._t.cpu.unpin.remote(lookup_id)
@@ -390,8 +392,9 @@ class ManagerCore:
         tiers = self._index.tiers_for(search_range)
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)
-        load = self._load(rec, keys, ends, tiers, candidates)
-        rec.task = asyncio.get_running_loop().create_task(load)
+        if not rec.closed:  # else its get or unpin came first: nothing to load or pin
+            load = self._load(rec, keys, ends, tiers, candidates)
+            rec.task = asyncio.get_running_loop().create_task(load)
         arrived = self._arrivals.pop(lookup_id, None)
         if arrived is not None:
             arrived.set()
@@ -455,6 +458,8 @@ class ManagerCore:
         ready in CPU by then is closed (no pins to release; a load still running drops
         what it brings)."""
         await self.prefetch(lookup_id, spans, search_range, tails)
+        if lookup_id not in self._index.lookups:  # ended by an unpin that came first
+            return 0, []
         n, sources = await self.wait(lookup_id, timeout, sources=True)  # type: ignore[misc]
         if n == 0:
             self._close(lookup_id)
@@ -509,7 +514,7 @@ class ManagerCore:
         keys, ends = split_spans(spans)
         if check_cpu and TIER_CPU in self._tiers:
             await self._t.check(TIER_CPU)
-        rec = self._index.close(lookup_id) if lookup_id is not None else None
+        rec = self._index.close(lookup_id, early=True) if lookup_id is not None else None
         if rec is not None and rec.task is not None:
             try:
                 await asyncio.shield(rec.task)
@@ -539,7 +544,7 @@ class ManagerCore:
         if len(result.chunks) < len(keys) and self._may_extend_get(keys, len(result.chunks)):
             return None
         if lookup_id is not None:
-            self._index.close(lookup_id)
+            self._index.close(lookup_id, early=True)
         return self._finish_get(keys, ends, lookup_id, result, t0, ids)
 
     def _may_extend_get(self, keys: list[CacheKey], start: int) -> bool:
@@ -668,7 +673,7 @@ class ManagerCore:
 
     async def unpin(self, lookup_id: str) -> None:
         """Release the pins of `lookup_id` without reading (the request was dropped)."""
-        if self._close(lookup_id) is None and self._t.cpu is not None:
+        if self._close(lookup_id, early=True) is None and self._t.cpu is not None:
             self._t.cpu.unpin.remote(lookup_id)
 
     async def remove(
@@ -689,15 +694,21 @@ class ManagerCore:
         """Wait until background lower-tier writes are acknowledged and the disk tier has
         written them; False on timeout. For tests, benchmarks and orderly shutdowns."""
         await self._ready()
+        t0 = time.monotonic()
         pending = self._t.pending_writes()
-        try:
-            if pending:
-                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
-            if TIER_DISK in self._tiers:
-                return bool(await asyncio.wait_for(self._tiers[TIER_DISK].flush.remote(), timeout))
+        if pending:  # waited for, never cancelled: their acks must still reach the index
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            if late:
+                return False
+        if TIER_DISK not in self._tiers:
+            return True
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        try:  # the disk actor gives up at `left` too: none of its threads waits on
+            ref = self._tiers[TIER_DISK].flush.remote(left)
+            slack = None if left is None else left + CONTROL_SLACK_SECS
+            return bool(await asyncio.wait_for(ref, slack))
         except asyncio.TimeoutError:
             return False
-        return True
 
     async def note_engine(self, model_name: str, layout: str) -> dict[str, str]:
         """Record that an engine keyed as `model_name` (its layout in words) uses this

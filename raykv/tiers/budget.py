@@ -133,7 +133,7 @@ class ByteBudgetIndex:
         """Keep `keys` (a request's chain being admitted) from eviction until the matching
         `place(keys, spared=True)` has placed them."""
         spared = self._spared
-        for key in keys:
+        for key in dict.fromkeys(keys):  # once per put, as `_settle` ends it
             spared[key] = spared.get(key, 0) + 1
 
     def place(

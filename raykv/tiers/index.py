@@ -45,6 +45,8 @@ from raykv.wire import (
 
 # Keys of the shared remote the index remembers by default (oldest forgotten first).
 REMOTE_INDEX_MAX_KEYS = 1 << 20
+# Lookup ids ended before they were recorded (a get or unpin that overtook its prefetch).
+ENDED_EARLY_MAX_IDS = 4096
 
 Segment = tuple[str | PeerTier, int, int]  # (tier, start, stop) over a request's keys
 
@@ -108,6 +110,7 @@ class PrefixIndex:
         self.incarnations: dict[str, str | None] = dict.fromkeys(self.order)
         self.down: set[str] = set()
         self.lookups: dict[str, Lookup] = {}
+        self._ended_early = BoundedKeySet(ENDED_EARLY_MAX_IDS)
         # CPU ack sequence numbers: every ack up to `_cpu_mark` is applied (or was in the
         # last snapshot); `_cpu_seen` holds those applied above it.
         self._cpu_mark = 0
@@ -322,10 +325,15 @@ class PrefixIndex:
     # ----- lookups, pins, leases -----
 
     def record(self, lookup_id: str, ends: list[int]) -> Lookup:
-        """The open lookup `lookup_id`, created with a fresh lease if new."""
+        """The open lookup `lookup_id`, created with a fresh lease if new; closed (and not
+        kept: it pins nothing) if a get or unpin of it came first (`close(early=True)`)."""
         rec = self.lookups.get(lookup_id)
         if rec is None:
             rec = Lookup(lookup_id, self.incarnations.get(TIER_CPU), ends)
+            if lookup_id in self._ended_early:
+                self._ended_early.difference_update([lookup_id])
+                rec.closed = True
+                return rec
             self.lookups[lookup_id] = rec
             self.leases.renew(lookup_id)
         return rec
@@ -357,12 +365,16 @@ class PrefixIndex:
         rec.ready = start + got
         return got == len(keys)
 
-    def close(self, lookup_id: str) -> Lookup | None:
-        """End `lookup_id` (get, unpin, lease end); its record, or None if unknown."""
+    def close(self, lookup_id: str, early: bool = False) -> Lookup | None:
+        """End `lookup_id` (get, unpin, lease end); its record, or None if unknown. With
+        `early` (a client's get or unpin), an unknown id is remembered: its lookup may
+        still arrive (calls to a threaded actor overtake each other) and must not pin."""
         rec = self.lookups.pop(lookup_id, None)
         self.leases.end(lookup_id)
         if rec is not None:
             rec.closed = True
+        elif early:
+            self._ended_early.update([lookup_id])
         return rec
 
     def expired(self, now: float | None = None) -> list[str]:

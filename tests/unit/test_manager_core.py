@@ -109,6 +109,52 @@ def test_put_then_lookup_prefetch_and_get_serve_the_stored_prefix(disk_only: Ray
         assert np.array_equal(got, want)
 
 
+def test_a_flush_that_times_out_leaves_the_background_writes_running(disk_only):
+    """`flush` waits for the lower-tier writes' acks; one that gives up must not cancel
+    them (a cancelled ack never reaches the index: keys on disk it would not list)."""
+    landed: list[str] = []
+
+    async def ack_later() -> None:
+        await asyncio.sleep(0.3)
+        landed.append("ack")
+
+    async def scenario() -> tuple[bool, bool]:
+        core = ManagerCore(disk_only)
+        await core.flush(10)  # started
+        core._t.spawn(ack_later(), name="raykv-put-test")
+        early = await core.flush(0.02)
+        await asyncio.sleep(0.5)
+        return early, await core.flush(10)
+
+    early, later = run(scenario)
+    assert (early, later, landed) == (False, True, ["ack"])
+
+
+def test_a_get_or_unpin_that_overtakes_its_prefetch_leaves_no_open_lookup(disk_only):
+    """Calls to the threaded manager may run out of order: a client's unpin (or get) of
+    a lookup id whose prefetch has not arrived yet ends that lookup all the same, so the
+    prefetch that comes later opens and pins nothing (it held chunks for the whole pin
+    lease)."""
+    spans = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
+    chunks = [seeded_chunk(i) for i in range(2)]
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
+        await core.flush(10)
+        await core.unpin("late-prefetch")
+        await core.prefetch("late-prefetch", spans)
+        await core.get(spans, "late-fetch")
+        fetched = await core.fetch("late-fetch", spans, 5)
+        await core.prefetch("in-order", spans)  # a lookup in order still opens and loads
+        opened = set(core._index.lookups)
+        ready = await core.wait("in-order", 5)
+        return fetched, opened, ready
+
+    fetched, opened, ready = run(scenario)
+    assert fetched == (0, []) and opened == {"in-order"} and ready == 2 * C
+
+
 def test_a_chunk_gone_from_disk_ends_the_prefix_there_never_wrong_bytes(disk_only, tmp_path):
     spans = KeyMaker.from_config(disk_only).keys(list(range(3 * C)))
     chunks = [seeded_chunk(i) for i in range(3)]

@@ -223,6 +223,22 @@ def test_budget_spared_chain_is_not_evicted_for_its_own_new_keys() -> None:
     assert [index._evict_one()[0] for _ in range(3)] == ["new", "p1", "p0"]
 
 
+def test_budget_chain_naming_a_key_twice_spares_it_only_until_placed() -> None:
+    """A put whose chain names a key twice (a prefix overlapping its keys, repeated
+    spans) spares it once: once placed, it is evictable again (it stayed spared for
+    good, and a disk filled with such keys could never make room)."""
+    index = ByteBudgetIndex(2, "lru")
+    index.reserve("a", 1)
+    index.commit("a", 1)
+    index.spare(["a", "a"])
+    index.place(["a", "a"], spared=True)
+    assert index._spared == {}
+    index.reserve("b", 1)
+    index.commit("b", 1)
+    index.place(["b"])
+    assert index.reserve("c", 1) == (True, [("a", 1)])
+
+
 # ----- priorities -----
 
 
