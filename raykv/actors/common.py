@@ -4,9 +4,10 @@ for handed-out refs, and node-scoped actor names and factories."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raykv.actors.base import ACTOR_OPTIONS, actor_name
 from raykv.errors import ConfigError
 from raykv.wire import join_parts, split_batch
+
+logger = logging.getLogger(__name__)
+
+# A background loop that raised starts again after this long.
+LOOP_RESTART_SECS = 1.0
 
 # Ray keeps task returns up to this size in the owner's process heap (its
 # `max_direct_call_object_size`, 100 KiB by default), not in the object store.
@@ -148,6 +154,18 @@ def check_actor_class(handle: Any, actor_cls: Any, name: str, namespace: str) ->
     return handle
 
 
+async def supervised(name: str, loop: Callable[[], Awaitable[None]]) -> None:
+    """Run the background loop `loop()` for good: one that raises is logged and started
+    again (a loop that died silently stopped health checks, resyncs or lease expiry)."""
+    while True:
+        try:
+            await loop()
+            return
+        except Exception:
+            logger.exception("raykv background loop %s failed; restarting it", name)
+        await asyncio.sleep(LOOP_RESTART_SECS)
+
+
 def named_actor(actor_cls: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
     """The actor `options["name"]` (created with `options` and these arguments if
     missing), checked to be an `actor_cls` (see `check_actor_class`)."""
@@ -178,4 +196,5 @@ __all__ = [
     "get_or_create_node_actor",
     "named_actor",
     "resolve_batch",
+    "supervised",
 ]

@@ -32,7 +32,7 @@ from ray.exceptions import ActorDiedError
 
 from raykv import metrics
 from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
-from raykv.actors.common import put_own
+from raykv.actors.common import put_own, supervised
 from raykv.actors.peers import ControllerLink
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
@@ -136,18 +136,29 @@ class ManagerCore:
         return self._started is not None and self._started.done()
 
     async def _ready(self) -> None:
-        """First call after (re)start: rebuild the whole index from the tiers."""
-        if self._started is None:
+        """First call after (re)start: rebuild the whole index from the tiers (again
+        after a start-up that raised)."""
+        started = self._started
+        if started is None or (started.done() and started.exception() is not None):
             self._started = asyncio.get_running_loop().create_task(self._startup())
         if not self._started.done():
             await asyncio.shield(self._started)
 
     async def _startup(self) -> None:
-        await asyncio.gather(*(self._t.resync(t) for t in self._index.order))
-        self._t.spawn(self._t.watch())
-        self._t.spawn(sweep_forever(self._config.pin_lease_secs, self._expire_lookups))
-        if self._link is not None:
-            self._t.spawn(self._link.report_loop(self._index.snapshot))
+        try:
+            await asyncio.gather(*(self._t.resync(t) for t in self._index.order))
+        finally:  # even after a resync that raised: the loops heal it
+            if not self._t.loops_spawned:
+                self._t.loops_spawned = True
+                self._spawn_loops()
+
+    def _spawn_loops(self) -> None:
+        """The manager's background loops: tier health checks, lease expiry, reports."""
+        t, lease, link = self._t, self._config.pin_lease_secs, self._link
+        t.spawn(supervised("tier watch", t.watch))
+        t.spawn(supervised("lease sweep", lambda: sweep_forever(lease, self._expire_lookups)))
+        if link is not None:
+            t.spawn(supervised("controller report", lambda: link.report_loop(t.index.snapshot)))
 
     def _expire_lookups(self) -> list[str]:
         """Release lookups whose client never came back (died, or forgot to get/unpin)."""

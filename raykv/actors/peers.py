@@ -73,16 +73,22 @@ class ControllerLink:
             return None
         instance, name, n = found
         if name not in self.peers:
-            try:
-                from raykv.actors.storage_manager import StorageManager
-
-                peer = ray.get_actor(name, namespace=self.namespace)
-                self.peers[name] = check_actor_class(peer, StorageManager, name, self.namespace)
+            try:  # off the loop: the GCS answers
+                self.peers[name] = await asyncio.to_thread(self._peer_handle, name)
             except ValueError:  # gone (or not a raykv manager: ConfigError is a ValueError)
                 self._controller.forget.remote(instance)  # that manager is gone
                 return None
+            except Exception as exc:  # the GCS away: this lookup misses the peer
+                logger.debug("peer manager %s unavailable: %r", name, exc)
+                return None
         self._instances[name] = instance
         return PeerTier(name), n
+
+    def _peer_handle(self, name: str) -> Any:
+        from raykv.actors.storage_manager import StorageManager
+
+        peer = ray.get_actor(name, namespace=self.namespace)
+        return check_actor_class(peer, StorageManager, name, self.namespace)
 
     def lost(self, name: str) -> None:
         """A peer served none of what the controller listed (dead, or the listing was

@@ -79,6 +79,8 @@ class TierSet:
         self._writes_in_flight = dict.fromkeys(self.index.lower_tiers, 0)
         self._skip_warned_at = 0.0
         self._background: set[asyncio.Task] = set()
+        self.loops_spawned = False  # the manager's background loops (once per process)
+        self._recreating: set[str] = set()  # tiers whose dead actor is being re-created
         self._resyncing: dict[str, asyncio.Task] = {}
         self._pull_timeout = config.lookup_timeout_ms / 1000 * PULL_TIMEOUT_FACTOR
         self._backend = (config.remote_url or "").partition("://")[0] or "none"
@@ -177,11 +179,25 @@ class TierSet:
             task.add_done_callback(lambda _t: self._resyncing.pop(tier, None))
 
     def tier_died(self, tier: str) -> None:
-        """`tier`'s actor is gone for good: serve without it and re-create it now."""
-        logger.warning("the %s tier actor died; re-creating it (the other tiers serve)", tier)
+        """`tier`'s actor is gone for good: serve without it and re-create it now (off
+        the loop: creating a named actor waits on the GCS)."""
         self.index.mark_down(tier)
+        if tier in self._recreating:
+            return
+        logger.warning("the %s tier actor died; re-creating it (the other tiers serve)", tier)
         self.index.counts["recreated_tiers"] += 1
-        self.handles[tier] = create_tier(self._config, tier, self._node_id)
+        self._recreating.add(tier)
+        self.spawn(self._recreate(tier), name=f"raykv-recreate-{tier}")
+
+    async def _recreate(self, tier: str) -> None:
+        try:
+            handle = await asyncio.to_thread(create_tier, self._config, tier, self._node_id)
+        except Exception as exc:  # the next health check (`watch`) tries again
+            logger.warning("re-creating the %s tier failed (%r); will retry", tier, exc)
+            return
+        finally:
+            self._recreating.discard(tier)
+        self.handles[tier] = handle
         self.schedule_resync(tier)
 
     async def check(self, tier: str) -> None:

@@ -220,3 +220,43 @@ def test_a_fetch_with_malformed_candidates_is_refused(disk_only):
 
     with pytest.raises(InvalidInputError, match="another model, world size or dtype"):
         run(another_world)
+
+
+def test_a_background_loop_that_raises_is_started_again(monkeypatch):
+    """The manager's loops (tier health checks, lease expiry, controller reports) run
+    under `supervised`: one that raised used to stop for good, silently."""
+    from raykv.actors import common
+
+    monkeypatch.setattr(common, "LOOP_RESTART_SECS", 0.0)
+    runs: list[int] = []
+
+    async def loop() -> None:
+        runs.append(1)
+        if len(runs) < 3:
+            raise RuntimeError("a GCS hiccup")
+
+    run(lambda: common.supervised("test loop", loop))
+    assert len(runs) == 3
+
+
+def test_a_tier_that_cannot_be_re_created_stays_down_and_the_manager_serves(disk_only, monkeypatch):
+    """Re-creating a dead tier's actor can fail (the GCS away, a name taken by another
+    class): the tier stays down until the next health check tries again; nothing raises
+    into the request or the loop that noticed."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the GCS is away")
+
+    spans = KeyMaker.from_config(disk_only).keys(list(range(C)))
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        await core.flush(1)
+        monkeypatch.setattr(tierset, "create_tier", refuse)
+        core._t.tier_died("disk")
+        core._t.tier_died("disk")  # noticed twice: re-created once
+        await asyncio.sleep(0.2)  # the re-creation (on a thread) failed meanwhile
+        return "disk" in core._index.down, await core.lookup(spans), core._t._recreating
+
+    down, hit, recreating = run(scenario)
+    assert (down, hit, recreating) == (True, 0, set())
