@@ -404,6 +404,7 @@ class ManagerCore:
         self._close(lookup_id)
         rec = self._index.record(lookup_id, ends)
         if not rec.closed:  # else its get or unpin came first: nothing to load or pin
+            rec.ranks = {k.worker_id for k in keys}
             load = self._load(rec, keys, ends, tiers, candidates)
             rec.task = asyncio.get_running_loop().create_task(load)
         arrived = self._arrivals.pop(lookup_id, None)
@@ -525,7 +526,7 @@ class ManagerCore:
         keys, ends = split_spans(spans)
         if check_cpu and TIER_CPU in self._tiers:
             await self._t.check(TIER_CPU)
-        rec = self._index.close(lookup_id, early=True) if lookup_id is not None else None
+        rec, last = self._index.read(lookup_id, keys) if lookup_id is not None else (None, True)
         if rec is not None and rec.task is not None:
             try:
                 await asyncio.shield(rec.task)
@@ -534,7 +535,7 @@ class ManagerCore:
         result = self._index.collect(keys, rec.refs if rec is not None else {})
         if len(result.chunks) < len(keys):  # lower-tier hits, promoted into CPU
             await self._get_lower(keys, len(result.chunks), result)
-        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+        return self._finish_get(keys, ends, lookup_id if last else None, result, t0, ids)
 
     def try_get(
         self,
@@ -554,9 +555,8 @@ class ManagerCore:
         result = self._index.collect(keys, rec.refs if rec is not None else {})
         if len(result.chunks) < len(keys) and self._may_extend_get(keys, len(result.chunks)):
             return None
-        if lookup_id is not None:
-            self._index.close(lookup_id, early=True)
-        return self._finish_get(keys, ends, lookup_id, result, t0, ids)
+        last = self._index.read(lookup_id, keys)[1] if lookup_id is not None else True
+        return self._finish_get(keys, ends, lookup_id if last else None, result, t0, ids)
 
     def _may_extend_get(self, keys: list[CacheKey], start: int) -> bool:
         """Whether `_get_lower` could add chunks after `keys[:start]`."""

@@ -67,6 +67,7 @@ class Lookup:
     ready: int = 0  # chunks of the prefix ready in CPU
     task: Any = None  # the shell's prefetch task
     closed: bool = False
+    ranks: set[int] = field(default_factory=set)  # workers (TP ranks) yet to read it
     # (tier kind, prefix tokens up to the end of that tier's run): where the prefetch
     # found the prefix, before promotion into CPU (the connector's hit sources)
     sources: list[tuple[str, int]] = field(default_factory=list)
@@ -376,6 +377,18 @@ class PrefixIndex:
         elif early:
             self._ended_early.update([lookup_id])
         return rec
+
+    def read(self, lookup_id: str, keys: list[CacheKey]) -> tuple[Lookup | None, bool]:
+        """A get of `keys` (one worker's) under `lookup_id`: its record, and whether this
+        read ends it. A lookup over several workers' keys (tensor-parallel ranks, looked
+        up at once by the scheduler) stays open, pins and all, until each has read its
+        own (or its lease ends): the first rank's read released the others' pins."""
+        rec = self.lookups.get(lookup_id)
+        if rec is not None and len(rec.ranks) > 1 and keys:
+            rec.ranks.discard(keys[0].worker_id)
+            if rec.ranks:
+                return rec, False
+        return self.close(lookup_id, early=True), True
 
     def expired(self, now: float | None = None) -> list[str]:
         """Ids of open lookups whose lease ended (their client died or forgot them)."""

@@ -260,3 +260,28 @@ def test_a_tier_that_cannot_be_re_created_stays_down_and_the_manager_serves(disk
 
     down, hit, recreating = run(scenario)
     assert (down, hit, recreating) == (True, 0, set())
+
+
+def test_a_lookup_over_two_ranks_stays_open_until_each_rank_read_its_chunks(disk_only):
+    """The scheduler of a TP=2 engine looks up both ranks' keys under one id; each rank's
+    worker then reads its own under that id. The first read must not end the lookup (the
+    other rank would read without its pins), the second does."""
+    cfg = disk_only.replace(world_size=2)
+    tokens = list(range(2 * C))
+    rank_spans = [KeyMaker.from_config(cfg, worker_id=r).keys(tokens) for r in (0, 1)]
+    both = [s for pair in zip(*rank_spans, strict=True) for s in pair]  # as rank_spans sends
+    chunks = [seeded_chunk(i) for i in range(2)]
+
+    async def scenario() -> tuple:
+        core = ManagerCore(cfg)
+        for spans in rank_spans:
+            await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
+        await core.flush(10)
+        await core.prefetch("tp", both)
+        await core.wait("tp", 5)
+        first = RetrieveResult.of(await core.get(rank_spans[0], "tp"))
+        open_after_first = "tp" in core._index.lookups
+        second = RetrieveResult.of(await core.get(rank_spans[1], "tp"))
+        return len(first.chunks), open_after_first, len(second.chunks), set(core._index.lookups)
+
+    assert run(scenario) == (2, True, 2, set())
