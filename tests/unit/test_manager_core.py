@@ -83,6 +83,14 @@ def run(coro_fn: Any) -> Any:
     return asyncio.run(main())
 
 
+async def stored(cfg: RayKVConfig, spans: list, chunks: list) -> ManagerCore:
+    """A manager over `cfg` holding `chunks` (seeded (meta, array) pairs) under `spans`."""
+    core = ManagerCore(cfg)
+    await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
+    await core.flush(10)
+    return core
+
+
 def test_put_then_lookup_prefetch_and_get_serve_the_stored_prefix(disk_only: RayKVConfig):
     spans = KeyMaker.from_config(disk_only).keys(list(range(3 * C)))
     chunks = [seeded_chunk(i) for i in range(3)]
@@ -139,9 +147,7 @@ def test_a_get_or_unpin_that_overtakes_its_prefetch_leaves_no_open_lookup(disk_o
     chunks = [seeded_chunk(i) for i in range(2)]
 
     async def scenario() -> tuple:
-        core = ManagerCore(disk_only)
-        await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
-        await core.flush(10)
+        core = await stored(disk_only, spans, chunks)
         await core.unpin("late-prefetch")
         await core.prefetch("late-prefetch", spans)
         await core.get(spans, "late-fetch")
@@ -160,9 +166,7 @@ def test_a_chunk_gone_from_disk_ends_the_prefix_there_never_wrong_bytes(disk_onl
     chunks = [seeded_chunk(i) for i in range(3)]
 
     async def scenario() -> tuple:
-        core = ManagerCore(disk_only)
-        await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
-        await core.flush(10)
+        core = await stored(disk_only, spans, chunks)
         for path in tmp_path.rglob(f"*{spans[1].key.chunk_hash}*.rkv"):
             path.write_bytes(b"junk")  # chunk 2's file is damaged behind the index's back
         wire = await core.get(spans)
@@ -273,9 +277,8 @@ def test_a_lookup_over_two_ranks_stays_open_until_each_rank_read_its_chunks(disk
     chunks = [seeded_chunk(i) for i in range(2)]
 
     async def scenario() -> tuple:
-        core = ManagerCore(cfg)
-        for spans in rank_spans:
-            await core.put(spans, [m for m, _ in chunks], [[a for _, a in chunks]])
+        core = await stored(cfg, rank_spans[0], chunks)
+        await core.put(rank_spans[1], [m for m, _ in chunks], [[a for _, a in chunks]])
         await core.flush(10)
         await core.prefetch("tp", both)
         await core.wait("tp", 5)
