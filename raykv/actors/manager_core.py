@@ -73,6 +73,11 @@ WAIT_FOR_PREFETCH_SECS = 1.0
 CONTROL_SLACK_SECS = 5.0
 
 
+def _failed(task: asyncio.Task) -> bool:
+    """Whether a finished task was cancelled or raised."""
+    return task.cancelled() or task.exception() is not None
+
+
 @dataclass(slots=True)
 class RemoteProbe:
     """A lookup plan that needs a `ray://` remote, asked from a Ray thread
@@ -132,14 +137,16 @@ class ManagerCore:
 
     @property
     def started(self) -> bool:
-        """Whether start-up (the index rebuilt from the tiers) has finished."""
-        return self._started is not None and self._started.done()
+        """Whether start-up (the index rebuilt from the tiers) has finished, and not by
+        raising (then the next call starts it again)."""
+        task = self._started
+        return task is not None and task.done() and not _failed(task)
 
     async def _ready(self) -> None:
         """First call after (re)start: rebuild the whole index from the tiers (again
         after a start-up that raised)."""
         started = self._started
-        if started is None or (started.done() and started.exception() is not None):
+        if started is None or (started.done() and _failed(started)):
             self._started = asyncio.get_running_loop().create_task(self._startup())
         if not self._started.done():
             await asyncio.shield(self._started)

@@ -73,29 +73,32 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             f"pipeline_parallel_size = 1 only, until it stores that KV once"
         )
     model = config.model_name if "model_name" in extra else vllm_config.model_config.model
-    fingerprint = "|".join(
-        str(part)
-        for part in (
-            KEY_VERSION,
-            _vllm_version(),
-            _device_type(),
-            _cpu_isa(vllm_config, spec),
-            getattr(vllm_config.attention_config, "backend", None) or "auto",
-            getattr(kv_cache_config, "kv_cache_layout", None),
-            type(spec).__name__,
-            block_size,
-            config.chunk_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            getattr(spec, "head_size_v", spec.head_size),
-            dtype,
-            _keyed_layers(vllm_config, n_layers),
-            model,
-            getattr(vllm_config.model_config, "revision", None),
-            getattr(vllm_config.model_config, "quantization", None),  # on-the-fly: other KV
-            sorted((getattr(vllm_config.model_config, "hf_overrides", None) or {}).items()),
-        )
-    )
+    parts = [
+        KEY_VERSION,
+        _vllm_version(),
+        _device_type(),
+        getattr(vllm_config.attention_config, "backend", None) or "auto",
+        getattr(kv_cache_config, "kv_cache_layout", None),
+        type(spec).__name__,
+        block_size,
+        config.chunk_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        getattr(spec, "head_size_v", spec.head_size),
+        dtype,
+        _keyed_layers(vllm_config, n_layers),
+        model,
+        getattr(vllm_config.model_config, "revision", None),
+    ]
+    # Only where they apply, so other engines keep their keys: the CPU attention's
+    # instruction set, on-the-fly quantization, config overrides (all change the KV).
+    extras = {
+        "isa": _cpu_isa(vllm_config, spec),
+        "quantization": getattr(vllm_config.model_config, "quantization", None),
+        "hf_overrides": _overrides(getattr(vllm_config.model_config, "hf_overrides", None)),
+    }
+    parts += [f"{name}={value}" for name, value in extras.items() if value]
+    fingerprint = "|".join(str(part) for part in parts)
     readable = _MODEL_CHARS.sub("_", str(model).rstrip("/").rsplit("/", 1)[-1])[-48:] or "model"
     return config.replace(
         model_name=f"{readable}~vllm-{xxhash.xxh64_hexdigest(fingerprint.encode())}",
@@ -120,13 +123,27 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int]:
 
 
 def _keyed_layers(vllm_config: VllmConfig, n_layers: int) -> int | str:
-    """The layer count the keys fold in: this rank's, or with pipeline parallelism the
-    model's (a stage holds its own layers, and stages of an uneven split hold different
-    numbers: the scheduler, which keys every rank, knows only stage 0's)."""
+    """The layers the keys fold in: this rank's count, or with pipeline parallelism
+    every stage's range (stages of an uneven split hold different numbers, and the
+    scheduler, which keys every rank, knows only stage 0's; engines of another split
+    hold other layers under the same stage)."""
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp == 1:
         return n_layers
-    return f"{vllm_config.model_config.get_total_num_hidden_layers()} in {pp} stages"
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return f"stages {[get_pp_indices(total, rank, pp) for rank in range(pp)]}"
+
+
+def _overrides(overrides: Any) -> str | None:
+    """`hf_overrides` as the same string in every process: a dict by its items, a
+    function by its qualified name (its repr holds an address)."""
+    if not overrides:
+        return None
+    if callable(overrides):
+        return f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+    return repr(sorted(dict(overrides).items()))
 
 
 def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> str:
@@ -164,14 +181,15 @@ def _vllm_version() -> str:
 def _cpu_isa(vllm_config: VllmConfig, spec: Any) -> str | None:
     """On CPU, the instruction set vLLM's attention packs K for (AMX, AVX-512/AVX2,
     NEON...): the pages of two hosts with the same shape and dtype but another ISA are
-    not interchangeable. None off CPU."""
+    not interchangeable. Asked as vLLM's CPU attention asks (the model's dtype, the
+    KV cache's dtype name). None off CPU."""
     if _device_type() != "cpu":
         return None
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
-        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, dtype)
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        return _get_attn_isa(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
     except Exception as exc:  # a vLLM without it: key by the CPU's flags instead
         import torch
 

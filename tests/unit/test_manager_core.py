@@ -288,3 +288,29 @@ def test_a_lookup_over_two_ranks_stays_open_until_each_rank_read_its_chunks(disk
         return len(first.chunks), open_after_first, len(second.chunks), set(core._index.lookups)
 
     assert run(scenario) == (2, True, 2, set())
+
+
+def test_a_start_up_that_raised_is_not_started_and_runs_again(disk_only):
+    """A start-up (the index rebuilt from the tiers) that raised leaves the manager not
+    started, so its fast paths do not answer from an index never rebuilt; the next call
+    starts it again. The background loops run from the first try."""
+    calls: list[str] = []
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        real = core._t.resync
+
+        async def flaky(tier: str) -> None:
+            calls.append(tier)
+            if len(calls) == 1:
+                raise RuntimeError("the GCS is away")
+            await real(tier)
+
+        core._t.resync = flaky  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await core._ready()
+        first = (core.started, core._t.loops_spawned)
+        await core._ready()
+        return first, core.started
+
+    assert run(scenario) == ((False, True), True)

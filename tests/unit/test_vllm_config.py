@@ -33,10 +33,10 @@ def configs(
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups, kv_cache_layout="LBHNC")
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
-        cache_config=SimpleNamespace(block_size=block_size),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         model_config=SimpleNamespace(
-            model=model, revision=None, get_total_num_hidden_layers=lambda: 27
+            model=model, revision=None, dtype=dtype, get_total_num_hidden_layers=lambda: 27
         ),
         attention_config=SimpleNamespace(backend=backend),
     )
@@ -93,11 +93,39 @@ def test_the_cpu_instruction_set_and_quantization_separate_keys(monkeypatch):
     )
 
 
-def test_the_real_cpu_instruction_set_is_named():
-    from raykv.integrations.vllm_setup import _cpu_isa
+def test_the_cpu_instruction_set_is_vllms_own_for_the_models_dtype():
+    """Asked as vLLM's CPU attention asks: by the model's dtype, whatever the KV's (an
+    fp8 KV of a bf16 model is packed for the bf16 model's instruction set)."""
+    from raykv.integrations import vllm_setup
 
-    spec = SimpleNamespace(block_size=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    assert _cpu_isa(configs()[0], spec) in {"amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv"}
+    if vllm_setup._device_type() != "cpu":
+        pytest.skip("the instruction set is keyed on CPU engines only")
+    vllm_config, kv_cache_config = configs()
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    isa = vllm_setup._cpu_isa(vllm_config, spec)
+    assert isa in {"amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv"}
+    fp8_kv = SimpleNamespace(**{**vars(spec), "dtype": torch.float8_e4m3fn})
+    assert vllm_setup._cpu_isa(vllm_config, fp8_kv) == isa
+
+
+@pytest.mark.parametrize("overrides", [{"rope_theta": 1e6}, str.upper])
+def test_hf_overrides_separate_keys_and_key_alike_in_every_process(overrides):
+    """A dict by its items, a function by its name (its repr holds an address)."""
+    vllm_config, kv_cache_config = configs()
+    vllm_config.model_config.hf_overrides = overrides
+    name = raykv_config(vllm_config, kv_cache_config).model_name
+    assert name != raykv_config(*configs()).model_name
+    again, kv_cache_config = configs()
+    again.model_config.hf_overrides = overrides
+    assert raykv_config(again, kv_cache_config).model_name == name
+
+
+def test_engines_of_another_pipeline_split_key_apart(monkeypatch):
+    """Stage 1 of a 14/13 split and of a 13/14 split hold other layers."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "14,13")
+    first = raykv_config(*configs(pp=2, layers=14)).model_name
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "13,14")
+    assert raykv_config(*configs(pp=2, layers=13)).model_name != first
 
 
 def test_pipeline_stages_of_an_uneven_split_key_alike():
