@@ -264,7 +264,7 @@ class CPUStoreActor:
                 ack.present += [k for k in taken if k not in added]
                 if added:
                     metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
-        if ack.evicted:
+        if ack.evicted or taken:  # a reservation ended: room a waiting put may take
             self._signal_room()
         ack.refs = self._readable(keys)
         return self._record(ack)
@@ -435,6 +435,7 @@ class CPUStoreActor:
                 own, index = await put_own(arrays, nbytes), None
             except Exception as exc:  # served from the source's object, not cached
                 store.release(nbytes)
+                self._signal_room()
                 n, reason = 0, f"copying from the source failed: {exc}"
         del arrays
         if not n:
@@ -443,6 +444,7 @@ class CPUStoreActor:
         added = store.commit(
             own, keys, metas, index, batch_bytes=nbytes, reserved=nbytes, lookup_id=lookup_id
         )
+        self._signal_room()  # the reservation ended: room a waiting put may take
         if added:
             metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
         return added

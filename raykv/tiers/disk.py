@@ -479,10 +479,15 @@ class DiskStore:
         if state is not None:
             (ack.accepted if state else ack.skipped).append(key)
             return True
+        try:
+            reserve = record_size(meta, key)
+        except Exception as exc:  # a meta the codec cannot frame (one that came pickled)
+            logger.warning("disk tier: skipping %s: %r", key, exc)
+            ack.skipped.append(key)
+            return True
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             ack.skipped.append(key)
             return False
-        reserve = record_size(meta, key)
         rec: _Pending | None = None
         victims: list[tuple[Hashable, int]] = []
         with self._lock:
@@ -501,8 +506,23 @@ class DiskStore:
         ack.evicted.extend(k for k, _ in victims)
         self._unlink_keys([k for k, _ in victims])
         if rec is not None:
-            self._pool.submit(self._write, rec)
+            try:
+                self._pool.submit(self._write, rec)
+            except RuntimeError:  # the write pool shut down (a close): nothing is written
+                self._abandon(rec)
+                ack.accepted.remove(key)
+                ack.skipped.append(key)
         return True
+
+    def _abandon(self, rec: _Pending) -> None:
+        """Undo a write that was never started: its reservation, pending entry, slot."""
+        with self._lock:
+            self._pending.pop(rec.key, None)
+            self._index.unreserve(rec.key)
+            self._notify_if_idle()
+        rec.array = None
+        rec.done.set()
+        self._slots.release()
 
     def _held(self, key: CacheKey, locked: bool = False) -> bool | None:
         """True if held or being written, False if it must be skipped now, None if new."""

@@ -309,6 +309,48 @@ def test_put_accepts_what_it_committed_and_charges_the_object_size(monkeypatch):
     assert actor._store.used_bytes == 2 * CHUNK and actor._store.reserved_bytes == 0
 
 
+def test_a_put_waiting_for_room_proceeds_when_another_puts_reservation_ends(monkeypatch):
+    """A put that found the room reserved by another put in flight waits; that put's
+    commit makes its bytes evictable and must wake the waiter (it slept out its whole
+    `blocking_timeout_secs`: the commit evicted nothing, and only evictions woke it)."""
+    import asyncio
+    import threading
+    import time
+
+    import numpy as np
+
+    cs, actor = _bare_actor(monkeypatch, 3 * CHUNK)
+    actor._timeout = 5.0
+    from raykv.actors import common
+
+    monkeypatch.setattr(common, "THREAD_PUT_BYTES", 0)  # every ray.put on a thread
+    first_in = threading.Event()
+
+    def slow_put(value):
+        first_in.set()
+        time.sleep(0.3)  # the first put holds its reservation meanwhile
+        return FakeRef("own copy")
+
+    monkeypatch.setattr(cs.ray, "put", slow_put)
+
+    async def put_ids(ids):
+        batch = asyncio.get_running_loop().create_future()
+        batch.set_result([np.zeros(CHUNK, dtype=np.uint8) for _ in ids])
+        return await actor.put([key(i) for i in ids], [meta()] * len(ids), [batch])
+
+    async def run():
+        first = asyncio.create_task(put_ids([0, 1]))
+        while not first_in.is_set():
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        second = await put_ids([2, 3])
+        return await first, second, time.monotonic() - t0
+
+    first, second, waited = asyncio.run(run())
+    assert first.accepted == [key(0), key(1)] and second.accepted == [key(2), key(3)]
+    assert waited < 2.0, f"the second put slept {waited:.1f} s"
+
+
 # ----- payloads whose size is not their meta's (#13 defect 4) -----
 
 

@@ -475,3 +475,35 @@ def test_a_failed_directory_fsync_leaves_no_file_outside_the_index(tmp_path: Pat
         assert len(files(store, "*")) == 1
     finally:
         store.close()
+
+
+def test_a_chunk_whose_meta_cannot_be_framed_is_skipped_and_costs_no_write_slot(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A meta the codec rejects (one that came pickled, past its own checks) skips its
+    chunk; it used to keep a write slot for good, and once all were gone every put
+    waited and was skipped."""
+    store = DiskStore(tmp_path, 1 << 20, max_pending_writes=2, queue_wait_s=0.05)
+    real = ds.record_size
+
+    def picky(meta, k):
+        if k == key(1):
+            raise ValueError("shape[0] must be 2 for KV_2LTD")
+        return real(meta, k)
+
+    monkeypatch.setattr(ds, "record_size", picky)
+    for _ in range(3):
+        assert put(store, [1], flush=False).skipped == [key(1)]
+    assert put(store, [2, 3]).accepted == [key(2), key(3)]
+    store.close()
+
+
+def test_a_put_after_close_is_skipped_and_flush_does_not_wait_for_it(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, 1 << 20)
+    store._pool.shutdown(wait=True)  # closing: the write pool is gone
+    ack = put(store, [1], flush=False)
+    assert ack.skipped == [key(1)] and not ack.accepted
+    t0 = time.monotonic()
+    assert store.flush(5) and time.monotonic() - t0 < 1
+    assert store._index.reserved == 0
+    store.close()
