@@ -18,8 +18,9 @@ Routers:
     (`controller_timeout_s`, then the summaries alone decide);
   - per-replica summaries: each replica reports, through Serve's routing stats
     (`record_routing_stats`), the 64-bit ids of the chained chunk hashes it served
-    recently, and the router remembers what it routed itself since the last stats
-    update, so the turns of a conversation stick at once. Among replicas with the same
+    recently, and the router remembers what it routed itself over the last two stats
+    updates (so the turns of a conversation stick at once, and what a replica's stats no
+    longer list stops counting soon after). Among replicas with the same
     prefix, the one that served it itself wins (its replica-local state is warm).
 
   A preferred replica much busier than the least loaded one (`imbalance_threshold`),
@@ -83,6 +84,9 @@ def chunk_ids(keys: KeyMaker, tokens: Any) -> list[int]:
 def covered_prefix(ids: Sequence[int], summary: set[int] | frozenset[int]) -> int:
     """How many leading chunk ids of a request are in `summary` (chained: a prefix match)."""
     return leading(ids, 0, summary)
+
+
+_NO_STATS: tuple[int, ...] = ()  # a replica's summary when its stats list none
 
 
 class PrefixSummary(BoundedKeySet):
@@ -277,8 +281,10 @@ class CacheAwareRouter(RequestRouter):
         self._controller: Any = None
         self._controller_retry_at = 0.0
         self._controller_warned = False
-        # What this router sent each replica since it started (immediate, before stats).
+        # What this router sent each replica since its last stats update (immediate,
+        # before its stats list it), and in the period before that.
         self._routed: dict[Any, PrefixSummary] = {}
+        self._routed_before: dict[Any, PrefixSummary] = {}
         # Reported summaries as sets, cached by the identity of the reported list.
         self._reported: dict[Any, tuple[int, frozenset[int]]] = {}
         # Per pending request: its chunk ids and the controller's {node: prefix chunks}
@@ -337,20 +343,27 @@ class CacheAwareRouter(RequestRouter):
         return cached
 
     def _summary(self, replica: RunningReplica) -> frozenset[int]:
-        reported = (replica.routing_stats or {}).get(STATS_KEY) or []
-        cached = self._reported.get(replica.replica_id)
-        if cached is None or cached[0] != id(reported):
+        # One object for "no stats" (an engine that reports none): not a new one per call,
+        # which would look like new stats each time and age the routed ids at once.
+        reported = (replica.routing_stats or {}).get(STATS_KEY) or _NO_STATS
+        rid = replica.replica_id
+        cached = self._reported.get(rid)
+        if cached is None or cached[0] != id(reported):  # new stats: a routed generation ages
             cached = (id(reported), frozenset(reported))
-            self._reported[replica.replica_id] = cached
+            self._reported[rid] = cached
+            if rid in self._routed:
+                self._routed_before[rid] = self._routed.pop(rid)
+            else:
+                self._routed_before.pop(rid, None)
         return cached[1]
 
     def match(self, replica: RunningReplica, ids: Sequence[int]) -> int:
         """Leading chunks of the request the replica served itself (reported or routed here)."""
         if not self._use_summaries:
             return 0
-        routed = self._routed.get(replica.replica_id)
-        local = routed.covered(ids) if routed is not None else 0
-        return max(local, covered_prefix(ids, self._summary(replica)))
+        reported = covered_prefix(ids, self._summary(replica))  # ages the routed first
+        routed = (self._routed.get(replica.replica_id), self._routed_before.get(replica.replica_id))
+        return max([reported] + [r.covered(ids) for r in routed if r is not None])
 
     async def choose_replicas(
         self,
@@ -378,13 +391,23 @@ class CacheAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any):
         state = self._pending.pop(pending_request.metadata.internal_request_id, None)
-        if state and state[0]:
+        if state and state[0] and replica_id in self.curr_replicas:  # not one just gone
             self._routed.setdefault(replica_id, PrefixSummary(self._history_size)).add(state[0])
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set (scaled, redeployed, replaced): what this router kept
+        for replicas no longer in it goes (Serve calls `on_replica_actor_died` only for
+        a death it saw)."""
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for kept in (self._routed, self._routed_before, self._reported):
+            for replica_id in [r for r in kept if r not in live]:
+                del kept[replica_id]
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
-        self._routed.pop(replica_id, None)
-        self._reported.pop(replica_id, None)
+        for kept in (self._routed, self._routed_before, self._reported):
+            kept.pop(replica_id, None)
 
 
 class RecentBlocks:
@@ -493,15 +516,16 @@ class EventsRouter(RequestRouter):
         if pending is None:
             return []
         rid = pending.metadata.internal_request_id
-        tokens = self._tokens.get(rid)
-        if tokens is None:
-            tokens = request_tokens(pending, self._tokenizer) or []
-            self._tokens[rid] = tokens
-            while len(self._tokens) > 1024:
-                self._tokens.popitem(last=False)
-        try:
+        try:  # a malformed request is the replica's to reject, not ours
+            tokens = self._tokens.get(rid)
+            if tokens is None:
+                tokens = request_tokens(pending, self._tokenizer)
+                tokens = [] if tokens is None else tokens  # (an array has no truth value)
+                self._tokens[rid] = tokens
+                while len(self._tokens) > 1024:
+                    self._tokens.popitem(last=False)
             return self.index.request_ids(tokens)
-        except Exception:  # a malformed request is the replica's to reject, not ours
+        except Exception:
             return []
 
     async def choose_replicas(

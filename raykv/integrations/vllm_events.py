@@ -156,17 +156,18 @@ class KVEvents:
         """The log cannot say what changed (a CPU store restarted, the ring overflowed):
         compare what was reported and planned with what the CPU tier holds now, taken
         after `cursor`, so events that follow it apply on top. Admissions the log never
-        recorded (a chunk stored while the tier's index was rebuilt) are reported too."""
+        recorded (a chunk stored while the tier's index was rebuilt) are reported too.
+        If the keys cannot be read, nothing changes and the next poll tries again (as
+        after a failed poll): reporting all removed would never advertise them again."""
         try:
             present = self._kv.cpu_keys(self._identity)
         except Exception as exc:
             logger.debug("raykv KV events: reading the CPU tier's keys failed: %r", exc)
             present = None
+        if present is None:
+            return
         with self._lock:
             self._cursor = tuple(cursor)
-            if present is None:  # cannot tell: everything reported may be gone
-                self._removed(list(self._held))
-                return
             held = set(present)
             self._removed([k for k in self._held if k not in held])
             for key in [k for k in self._planned if k in held]:

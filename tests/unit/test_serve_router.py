@@ -131,3 +131,75 @@ def test_a_router_with_the_models_tokenizer_routes_text_prompts_by_their_tokens(
     assert request_tokens(text) is None  # without it: by load
     with pytest.raises(ConfigError, match="no-such-tokenizer"):
         load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+
+
+def test_a_cache_aware_router_forgets_replicas_serve_no_longer_lists(monkeypatch) -> None:
+    """Scaled down, redeployed or replaced replicas leave through `update_replicas` (Serve
+    calls `on_replica_actor_died` only for a death it saw): their routed and reported
+    summaries go, and a request routed to a replica already gone adds none back."""
+    from types import SimpleNamespace
+
+    from raykv import serve
+
+    monkeypatch.setattr(serve.RequestRouter, "update_replicas", lambda self, replicas: None)
+    router = object.__new__(serve.CacheAwareRouter)
+    router._routed = {"a": PrefixSummary(8), "b": PrefixSummary(8)}
+    router._routed_before = {"b": PrefixSummary(8)}
+    router._reported = {"a": (1, frozenset()), "b": (2, frozenset())}
+    router._pending, router._history_size = {}, 8
+    router.update_replicas([SimpleNamespace(replica_id="a")])
+    assert list(router._routed) == ["a"] and list(router._reported) == ["a"]
+    assert router._routed_before == {}
+    monkeypatch.setattr(serve.CacheAwareRouter, "curr_replicas", {"a": object()})
+    request = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r1"))
+    router._pending = {"r1": ([11, 12], {})}
+    router.on_request_routed(request, "b", None)
+    assert "b" not in router._routed
+
+
+def test_an_events_router_given_array_tokens_routes_them_and_never_raises() -> None:
+    """A handle call whose tokens are a numpy array: `tokens or []` raised (an array has no
+    truth value), and the request was dropped by Serve's routing loop."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from raykv import serve
+
+    router = object.__new__(serve.EventsRouter)
+    router._tokens, router._tokenizer = OrderedDict(), None
+    router.index = SimpleNamespace(request_ids=lambda tokens: [len(tokens)])
+    pending = SimpleNamespace(
+        args=(np.arange(64),), kwargs={}, metadata=SimpleNamespace(internal_request_id="r")
+    )
+    assert router._request_ids(pending) == [64]
+    router.index = SimpleNamespace(request_ids=lambda tokens: 1 / 0)
+    router._tokens.clear()
+    assert router._request_ids(pending) == []
+
+
+def test_what_a_router_routed_counts_for_two_stats_periods_then_the_stats_decide() -> None:
+    """A router credits a replica with what it routed there (its stats do not list it
+    yet), for the stats period it was routed in and the next; then only the replica's
+    own stats say what it holds. A replica that reports no stats keeps the credit."""
+    from types import SimpleNamespace
+
+    from raykv import serve
+
+    router = object.__new__(serve.CacheAwareRouter)
+    router._use_summaries, router._history_size = True, 8
+    router._routed, router._routed_before, router._reported = {}, {}, {}
+    ids = [1, 2, 3]
+    replica = SimpleNamespace(replica_id="a", routing_stats={serve.STATS_KEY: [9]})
+    silent = SimpleNamespace(replica_id="b", routing_stats=None)
+    for r in (replica, silent):
+        router.match(r, ids)
+        router._routed[r.replica_id] = PrefixSummary(8)
+        router._routed[r.replica_id].add(ids)
+    assert router.match(replica, ids) == 3 and router.match(silent, ids) == 3
+    replica.routing_stats = {serve.STATS_KEY: [9]}  # a new stats period: still credited
+    assert router.match(replica, ids) == 3
+    replica.routing_stats = {serve.STATS_KEY: [1]}  # and another: its stats decide
+    assert router.match(replica, ids) == 1
+    assert router.match(silent, ids) == 3

@@ -128,14 +128,19 @@ def test_when_the_log_cannot_say_the_events_follow_the_cpu_tiers_keys(events):
     assert gone.block_hashes == ext(req.block_hashes[4:6])
 
 
-def test_when_neither_log_nor_snapshot_can_say_every_reported_block_is_removed(events):
+def test_when_neither_log_nor_snapshot_can_say_nothing_changes_until_the_snapshot_can(events):
+    """The log cannot say and the snapshot of the CPU tier's keys fails: nothing is
+    reported and the next poll tries again (reporting every held block removed meant it
+    was never advertised again while the tier still held it)."""
     ev, cache = events
     req = FakeRequest(list(range(8)))
     ev.planned(req, ["k0", "k1"], 0)
     poll(ev, cache, [(True, "k0"), (True, "k1")])
-    (removed,) = poll(ev, cache, None)  # cache.present is None: the snapshot failed too
-    assert removed.block_hashes == ext(req.block_hashes[0:4])
-    assert poll(ev, cache, None) == []
+    assert poll(ev, cache, None) == []  # cache.present is None: the snapshot failed too
+    cache.present = ["k1"]
+    (removed,) = poll(ev, cache, None)  # the log still cannot say; the snapshot can
+    assert removed.block_hashes == ext(req.block_hashes[0:2])
+    assert poll(ev, cache, [(False, "k1")])[0].block_hashes == ext(req.block_hashes[2:4])
 
 
 def test_past_max_held_the_oldest_are_reported_removed():
