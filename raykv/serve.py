@@ -25,6 +25,12 @@ Routers:
 
   A preferred replica much busier than the least loaded one (`imbalance_threshold`),
   or no match at all, falls back to power-of-two choices on queue length.
+
+  With vLLM engines (Ray Serve LLM) neither source applies: the connector keys chunks
+  from vLLM's own block hashes under a layout-fingerprinted model name, which the
+  router's `KeyMaker` cannot reproduce, and `LLMServer` reports no summaries. There
+  `cache_aware` routes by what it routed itself, and load; ``events`` is the router
+  that sees which blocks each engine and raykv hold.
 * ``pow2``: Serve's default (`PowerOfTwoChoicesRequestRouter`).
 * ``random`` (`RandomRouter`): a uniformly random replica (a baseline).
 
