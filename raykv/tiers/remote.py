@@ -145,6 +145,9 @@ class RedisBackend:
         ack = PutAck()
         pipe = self._client.pipeline(transaction=False)
         sent: list[CacheKey] = []
+        # redis-py bounds the write of a whole pipeline by the socket time-out: send the
+        # records in pipelines the time-out covers at the rate the put's own is sized by.
+        piece, queued = max(1.0, self._timeout_s * PUT_BYTES_PER_S / 2), 0
         for key, meta, array in zip(keys, metas, arrays, strict=True):
             try:
                 problem = buffer_problem(array, meta)
@@ -155,12 +158,16 @@ class RedisBackend:
                 logger.warning("redis tier: skipping %s: %s", key, exc)
                 ack.skipped.append(key)
                 continue
+            if queued and queued + len(record) > piece:
+                await pipe.execute()  # the pipeline is empty again after it
+                queued = 0
             pipe.set(self._name(key), memoryview(record), nx=True)
+            queued += len(record)
             sent.append(key)
         if ack.skipped:
             self._skipped += len(ack.skipped)
             metrics.inc("raykv_skipped_stores", len(ack.skipped), tier=TIER_REMOTE)
-        if sent:
+        if queued:
             await pipe.execute()
         ack.accepted.extend(sent)  # stored now, or an earlier value kept (NX)
         return ack

@@ -332,3 +332,39 @@ def test_a_huge_junk_value_under_a_chunks_name_is_deleted_after_its_header(redis
         assert elapsed < 0.05  # only its header was read (a time-out would also say miss)
     finally:
         client.close()
+
+
+def test_a_big_put_goes_in_pipelines_the_socket_time_out_covers(redis_server) -> None:
+    """redis-py bounds the write of a whole pipeline by the socket time-out: a put of
+    more bytes than that covers (at the rate a put's own time-out assumes) is sent in
+    several pipelines, and every chunk of it is stored."""
+    store = _real_store(redis_server.url)  # 50 ms: 2.5 MB a pipeline
+    pipelines = []
+    real = store._backend._client.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        pipe = real(*args, **kwargs)
+        execute = pipe.execute
+
+        async def counting() -> Any:
+            pipelines.append(len(pipe.command_stack))
+            return await execute()
+
+        pipe.execute = counting
+        return pipe
+
+    store._backend._client.pipeline = counted
+    keys = [key(100 + i) for i in range(8)]
+    meta = PayloadMeta("bfloat16", (2, 8, 256, 128))  # 1 MiB
+    arrays = [np.full(meta.nbytes, i, np.uint8) for i in range(8)]
+    metas = [meta] * len(arrays)
+
+    async def scenario() -> tuple[Any, Any]:
+        ack = await store.put(keys, metas, arrays)
+        got = await store.get_batch(keys)
+        await store.close()
+        return ack, got
+
+    ack, (got_metas, got_arrays) = asyncio.run(scenario())
+    assert ack.accepted == keys and len(pipelines) >= 3 and sum(pipelines) >= 8
+    assert all(np.array_equal(a, b) for a, b in zip(got_arrays, arrays, strict=True))
