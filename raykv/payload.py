@@ -256,6 +256,12 @@ def _tag(secret: Secret, head: Any, body: Any) -> bytes:
     return mac.digest()[:MAC_BYTES]
 
 
+def secret_tag(secret: Secret) -> str:
+    """A short public name of `secret` (an HMAC of a constant, not the secret): a shared
+    store keeps each secret's records under names of their own."""
+    return _tag(secret, b"raykv record names", b"").hex()[:12]
+
+
 def buffer_problem(array: Any, meta: Any) -> str | None:
     """Why `array` cannot be stored as the payload `meta` describes, or None if it can.
 

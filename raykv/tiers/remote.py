@@ -41,6 +41,7 @@ from raykv.payload import (
     check_head,
     decode,
     encode,
+    secret_tag,
 )
 from raykv.tiers.breaker import Breaker, breaker_for
 from raykv.tiers.budget import check_put_lengths
@@ -118,8 +119,12 @@ class RedisBackend:
                 'the redis:// remote tier needs redis-py: pip install "raykv[redis]"'
             ) from exc
         self.masked_url = mask_url(url)
-        self.prefix = f"{config.namespace}:kv:"
         self._secret = getattr(config, "payload_secret", None)
+        # With a secret, its records live under names of their own: a value there that
+        # fails its MAC is corrupt or forged (never another secret's) and is deleted, so
+        # the next put stores the key again (SET NX kept the bad value for good).
+        tag = f"{secret_tag(self._secret)}:" if self._secret else ""
+        self.prefix = f"{config.namespace}:kv:{tag}"
         self._skipped = 0  # chunks refused by put (array and meta disagree)
         self._max_keys = getattr(config, "remote_index_max_keys", None)
         self._timeout_s = timeout_s
@@ -215,8 +220,12 @@ class RedisBackend:
             if value is not None:
                 try:
                     decoded = decode(value, key.to_string(), key.kv_dtype, secret=self._secret)
-                except ForeignRecordError as exc:  # another secret's (or none): theirs to keep
-                    logger.debug("redis tier: a miss, not this reader's record %s: %s", key, exc)
+                except ForeignRecordError as exc:
+                    if self._secret:  # under this secret's names: corrupt or forged
+                        logger.warning("redis tier: deleting a value of %s: %s", key, exc)
+                        bad.append(self._name(key))
+                    else:  # a keyed record (an older writer's): theirs to keep
+                        logger.debug("redis tier: a miss, not this reader's record %s", key)
                 except PayloadError as exc:
                     logger.warning("redis tier: deleting a corrupt value of %s: %s", key, exc)
                     bad.append(self._name(key))
@@ -233,7 +242,7 @@ class RedisBackend:
         try:
             header = check_head(head, length, secret=self._secret)
         except ForeignRecordError:
-            return "foreign"
+            return "bad" if self._secret else "foreign"
         except PayloadError as exc:
             logger.warning("redis tier: deleting a value of %s: %s", key, exc)
             return "bad"

@@ -314,34 +314,36 @@ def redis_backend(url: str, secret: str | None) -> Any:
     return RedisBackend(url, cfg, timeout_s=2.0)
 
 
-def test_planted_redis_values_are_misses_for_a_reader_with_the_secret(redis_server: Any) -> None:
+def test_planted_redis_values_are_misses_deleted_and_stored_again(redis_server: Any) -> None:
+    """Under a secret's own names (`secret_tag`) a value that fails its MAC is corrupt or
+    forged, never another secret's: a miss, deleted, and the next put stores the key
+    (with SET NX the forgery blocked that key for good)."""
     import redis
 
     planted = forgeries()
-    keys = [key(i) for i in range(len(planted) + 1)]
+    keys = [key(i) for i in range(len(planted))]
     client = redis.Redis.from_url(redis_server.url)
     backend = redis_backend(redis_server.url, SECRET)
     try:
-        for k, name in zip(keys, planted, strict=False):
-            client.set(f"mac:kv:{k.to_string()}", forgeries(k)[name])
+        for k, name in zip(keys, planted, strict=True):
+            client.set(backend._name(k), forgeries(k)[name])
 
         async def scenario() -> tuple[Any, ...]:
-            ack = await backend.put([keys[-1]], [META], [data(3)])
-            metas, arrays = await backend.get_batch(keys)
-            listed = await backend.keys()
+            first = await backend.get_batch(keys)
+            left = [client.exists(backend._name(k)) for k in keys]
+            ack = await backend.put(keys, [META] * len(keys), [data(3)] * len(keys))
+            second = await backend.get_batch(keys)
             stats = await backend.stats()
             await backend.close()
-            return ack, metas, arrays, listed, stats
+            return first, left, ack, second, stats
 
-        ack, metas, arrays, listed, stats = asyncio.run(scenario())
-        assert ack.accepted == [keys[-1]]
-        assert metas[:-1] == [None] * len(planted) and all(a.size == 0 for a in arrays[:-1])
-        assert metas[-1] == META and np.array_equal(arrays[-1], data(3))
-        # Well-formed forgeries look like another secret's records: misses, left in place.
-        assert set(listed) == set(keys)
-        stored = client.get(f"mac:kv:{keys[-1].to_string()}")
-        assert stored[4] == pl.VERSION_KEYED
+        first, left, ack, second, stats = asyncio.run(scenario())
+        assert first[0] == [None] * len(keys) and left == [0] * len(keys)
+        assert ack.accepted == keys and second[0] == [META] * len(keys)
+        assert all(np.array_equal(a, data(3)) for a in second[1])
+        assert client.get(backend._name(keys[0]))[4] == pl.VERSION_KEYED
         assert SECRET not in repr(backend) and SECRET not in str(stats)
+        assert SECRET not in backend.prefix and backend.prefix.startswith("mac:kv:")
     finally:
         client.close()
 
