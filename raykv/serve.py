@@ -330,15 +330,16 @@ class CacheAwareRouter(RequestRouter):
     async def _request_state(
         self, pending: PendingRequest | None
     ) -> tuple[list[int], dict[str, int]]:
-        """The request's chunk ids and {node: prefix chunks}, computed once per request."""
-        tokens = request_tokens(pending, self._tokenizer)
-        if tokens is None:
+        """The request's chunk ids and {node: prefix chunks}, computed once per request
+        (Serve asks again while replicas are full: a text prompt is not encoded again)."""
+        if pending is None:
             return [], {}
-        rid = pending.metadata.internal_request_id  # type: ignore[union-attr]
+        rid = pending.metadata.internal_request_id
         cached = self._pending.get(rid)
         if cached is None:
+            tokens = request_tokens(pending, self._tokenizer)
             try:
-                spans = self._keys.keys(tokens)
+                spans = self._keys.keys(tokens) if tokens is not None else []
             except Exception:  # a malformed request is the replica's to reject, not ours
                 spans = []
             ids = [int(span.key.chunk_hash[:16], 16) for span in spans]

@@ -203,3 +203,34 @@ def test_what_a_router_routed_counts_for_two_stats_periods_then_the_stats_decide
     replica.routing_stats = {serve.STATS_KEY: [1]}  # and another: its stats decide
     assert router.match(replica, ids) == 1
     assert router.match(silent, ids) == 3
+
+
+def test_a_text_prompt_is_encoded_once_however_often_serve_asks() -> None:
+    """Serve calls choose_replicas again while every replica is full: the router's work
+    per request (encoding its text, asking the controller) is done once."""
+    import asyncio
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from raykv import serve
+
+    encoded = []
+
+    def tokenizer(text: str) -> dict:
+        encoded.append(text)
+        return {"input_ids": list(range(64))}
+
+    router = object.__new__(serve.CacheAwareRouter)
+    router._tokenizer, router._pending, router._namespace = tokenizer, OrderedDict(), None
+    router._keys = KeyMaker(chunk_size=16)
+    pending = SimpleNamespace(
+        args=(SimpleNamespace(prompt="hello"),),
+        kwargs={},
+        metadata=SimpleNamespace(internal_request_id="r1"),
+    )
+
+    async def ask_three_times() -> list:
+        return [await router._request_state(pending) for _ in range(3)]
+
+    states = asyncio.run(ask_three_times())
+    assert encoded == ["hello"] and len(states[0][0]) == 4 and states[0] == states[2]
