@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +105,7 @@ class _Pending:
     tmp_path: str
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)  # set when it ended
+    stamp_ns: int = 0  # the file's mtime once complete (`DiskStore._stamps`)
 
 
 class DiskStore:
@@ -399,6 +400,7 @@ class DiskStore:
             raise InvalidInputError("put on a closed DiskStore")
         ack = PutAck()
         chain = [*prefix, *keys]
+        stamps = self._stamps(chain)
         deadline = time.monotonic() + self._queue_wait_s
         queue_full = 0
         with self._lock:
@@ -408,11 +410,13 @@ class DiskStore:
                 if queue_full:
                     ack.skipped.append(key)
                     queue_full += 1
-                elif not self._put_one(key, meta, array, ack, deadline):
+                elif not self._put_one(key, meta, array, ack, deadline, stamps[key]):
                     queue_full = 1
         finally:
             with self._lock:
                 self._index.place(chain, priority, spared=True)
+                held = [k for k in prefix if k in self._index]
+        self._stamp([(k, stamps[k]) for k in held])  # its prefix is as recent as it
         if queue_full:
             logger.warning(
                 "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
@@ -455,8 +459,33 @@ class DiskStore:
             ack.accepted = written
         return ack
 
+    @staticmethod
+    def _stamps(chain: Sequence[CacheKey]) -> dict[CacheKey, int]:
+        """An mtime for each file of a request's `chain` (shallowest first): now, the
+        first chunk the most recent. A restart rebuilds the policy's order from the
+        files' mtimes (`_rebuild`), so it evicts a chain deepest first, as the policy
+        did: files left with their write times put a shared prefix, written first and
+        read ever since, first in line."""
+        now = time.time_ns()
+        return {key: now + (len(chain) - j) * 1000 for j, key in enumerate(chain)}
+
+    def _stamp(self, stamps: Iterable[tuple[CacheKey, int]]) -> None:
+        """Give held files the mtimes `stamps` (best effort: one gone meanwhile is
+        skipped). Never under the lock."""
+        for key, ns in stamps:
+            try:
+                os.utime(self.path_of(key), ns=(ns, ns))
+            except OSError:
+                pass
+
     def _put_one(
-        self, key: CacheKey, meta: PayloadMeta, array: np.ndarray, ack: PutAck, deadline: float
+        self,
+        key: CacheKey,
+        meta: PayloadMeta,
+        array: np.ndarray,
+        ack: PutAck,
+        deadline: float,
+        stamp_ns: int = 0,
     ) -> bool:
         """Admit one chunk; False only if no write slot freed up before `deadline`."""
         try:
@@ -496,7 +525,8 @@ class DiskStore:
                 fits, victims = self._index.reserve(key, reserve)
                 self._deleting.update(k for k, _ in victims)
                 if fits:
-                    rec = _Pending(key, meta, array, reserve, self._files.tmp_path(key))
+                    tmp = self._files.tmp_path(key)
+                    rec = _Pending(key, meta, array, reserve, tmp, stamp_ns=stamp_ns)
                     self._pending[key] = rec
         if rec is None:
             self._slots.release()
@@ -546,6 +576,8 @@ class DiskStore:
             # Neither file is left behind by a failure (a file outside the index and the
             # budget would be an orphan).
             size = self._files.write(rec.key, rec.tmp_path, (head, body))
+            if rec.stamp_ns:
+                self._stamp([(rec.key, rec.stamp_ns)])
         except OSError as exc:
             kind = "disk_full" if exc.errno in DISK_FULL else "write"
             logger.warning(
@@ -605,7 +637,10 @@ class DiskStore:
         else:
             loaded = iter([self._read(key) for key in found])
         out = [next(loaded) if size is not None else None for size in sizes]
-        hits = sum(item is not None for item in out)
+        hit = [key for key, item in zip(keys, out, strict=True) if item is not None]
+        stamps = self._stamps(hit)
+        self._stamp((key, stamps[key]) for key in hit)  # as recent as the policy has them
+        hits = len(hit)
         with self._lock:
             self._counts["hits"] += hits
             self._counts["misses"] += len(keys) - hits

@@ -245,9 +245,27 @@ def test_restart_on_the_same_directory_serves_the_same_bytes(tmp_path: Path) -> 
     for i in range(6):
         meta, data = second.get([key(i)])[0]
         assert meta == chunk(i)[0] and np.array_equal(data, chunk(i)[1])
-    # a smaller budget on reopen evicts the oldest files first
+    # a smaller budget on reopen evicts the least recent first: reads count (5 read last)
     third = DiskStore(tmp_path, 3 * ds.record_size(chunk(0)[0], key(0)) + 100)
-    assert len(third.keys()) == 3 and key(0) in third.keys()
+    assert sorted(third.keys()) == [key(3), key(4), key(5)]
+
+
+def test_a_restart_evicts_a_chain_deepest_first_with_its_shared_prefix_kept(tmp_path) -> None:
+    """A conversation's turn 2 stores chunks 2-3 after the prefix 0-1 of turn 1; another
+    chain comes later. A restart with less room rebuilds the order from the files'
+    mtimes: it must evict the deepest chunks, never the prefix the others hang on (with
+    write times as mtimes, the prefix, written first, went first)."""
+    first = DiskStore(tmp_path, 1 << 20)
+    put(first, [0, 1])
+    turn2 = [chunk(i) for i in (2, 3)]
+    first.put(
+        [key(2), key(3)], [m for m, _ in turn2], [a for _, a in turn2], prefix=[key(0), key(1)]
+    )
+    assert first.flush(5)
+    put(first, [9])
+    first.close()
+    small = DiskStore(tmp_path, 3 * ds.record_size(chunk(0)[0], key(0)) + 100)
+    assert sorted(small.keys()) == [key(0), key(1), key(9)]
 
 
 def test_check_fix_removes_temp_and_bad_files_and_reconciles_the_index(store: DiskStore) -> None:
