@@ -83,6 +83,25 @@ class KVEvents:
         self._thread = threading.Thread(target=self._run, name="raykv-kv-events", daemon=True)
         self._thread.start()
 
+    def _extra_keys(self, request: Any, first: int, n: int) -> list | None:
+        """The extra keys (LoRA, multimodal, cache salt, prompt embeds) of blocks
+        [first, first + n) of `request`, as vLLM's own events carry them: a router
+        indexing blocks by their tokens and extras names raykv's blocks as vLLM's."""
+        try:
+            from vllm.v1.core.kv_cache_utils import (
+                generate_block_hash_extra_keys,
+                to_event_extra_keys,
+            )
+
+            keys, mm = [], 0
+            for b in range(first, first + n):
+                start = b * self._block
+                extra, mm = generate_block_hash_extra_keys(request, start, start + self._block, mm)
+                keys.append(extra)
+            return to_event_extra_keys(keys)
+        except Exception:  # a vLLM without them, or a request it cannot read: none
+            return None
+
     def planned(self, request: Any, keys: list[str], start: int) -> None:
         """Chunks of `request` from token `start` on are being saved; `keys[i]` is the
         chunk hash of chunk i's rank-0 key. Scheduler thread."""
@@ -104,6 +123,7 @@ class KVEvents:
                         lora_id=lora.adapter_id if lora else None,
                         medium=MEDIUM_CPU,
                         lora_name=lora.name if lora else None,
+                        extra_keys=self._extra_keys(request, b, per),
                         group_idx=0,
                         ownership=OWNERSHIP,
                     ),

@@ -30,6 +30,9 @@ class FakeRequest:
     all_token_ids: list[int]
     block_hashes: list[bytes] = field(default_factory=list)
     lora_request: Any = None
+    cache_salt: str | None = None
+    mm_features: list = field(default_factory=list)
+    prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.all_token_ids) // BLOCK
@@ -170,3 +173,14 @@ def test_a_fault_while_polling_keeps_what_was_reported(events):
     cache.cpu_events = lambda *a: None  # the client's answer to a fault
     ev._poll()
     assert ev.take() == []
+
+
+def test_a_salted_requests_blocks_carry_its_extra_keys_as_vllms_own_events_do(events):
+    """A router indexes a block by its tokens and extras (vLLM's events carry the LoRA
+    name, multimodal ids, cache salt per block): raykv's events for the same blocks carry
+    the same, or the router would take a tenant's blocks for the unsalted prompt's."""
+    ev, cache = events
+    req = FakeRequest(list(range(12)), cache_salt="tenant-a")
+    ev.planned(req, ["k0", "k1"], 0)
+    first, second = poll(ev, cache, [(True, "k0"), (True, "k1")])
+    assert first.extra_keys == [("tenant-a",), None] and second.extra_keys == [None, None]
