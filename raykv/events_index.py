@@ -74,7 +74,9 @@ class BlockIndex:
         self.max_blocks = max_blocks
         self.block_size: int | None = None  # learned from the first stored event
         self._lock = threading.Lock()
-        self._ids: OrderedDict[Hashable, int] = OrderedDict()  # engine block hash -> id
+        # Per source: its engine's block hash -> id (engines hash apart: one shared map
+        # of `max_blocks` forgot hashes whose ids its sets still held, and their removals).
+        self._ids: dict[Hashable, OrderedDict[Hashable, int]] = {}
         self._local: dict[Hashable, BoundedKeySet] = {}
         self._shared: dict[Hashable, BoundedKeySet] = {}
         self.counts = {"stored": 0, "removed": 0, "cleared": 0, "orphans": 0, "foreign": 0}
@@ -91,7 +93,8 @@ class BlockIndex:
                 elif kind == "BlockRemoved":
                     if getattr(event, "group_idx", None) not in (None, 0):
                         continue
-                    ids = [self._ids.get(h) for h in event.block_hashes]
+                    known = self._ids.get(source, {})
+                    ids = [known.get(h) for h in event.block_hashes]
                     held = self._set(source, event)
                     held.difference_update(i for i in ids if i is not None)
                     self.counts["removed"] += len(ids)
@@ -121,24 +124,27 @@ class BlockIndex:
             self.counts["foreign"] += 1
             return
         self.block_size = size
+        known = self._ids.get(source)
+        if known is None:
+            known = self._ids[source] = OrderedDict()
         parent = ROOT
         if event.parent_block_hash is not None:
-            parent = self._ids.get(event.parent_block_hash)
+            parent = known.get(event.parent_block_hash)
             if parent is None:  # its parent's event was missed: the chain is unknown
                 self.counts["orphans"] += 1
                 return
-            self._ids.move_to_end(event.parent_block_hash)  # a live prefix stays known
+            known.move_to_end(event.parent_block_hash)  # a live prefix stays known
         extras = event.extra_keys or ()
         new = []
         for i, block_hash in enumerate(event.block_hashes):
             block = tokens[i * size : (i + 1) * size]
             extra = extras[i] if i < len(extras) else None
             parent = chain(parent, block, freeze(extra) if extra else None)
-            self._ids[block_hash] = parent
-            self._ids.move_to_end(block_hash)
+            known[block_hash] = parent
+            known.move_to_end(block_hash)
             new.append(parent)
-        while len(self._ids) > self.max_blocks:
-            self._ids.popitem(last=False)
+        while len(known) > 2 * self.max_blocks:  # as many as its two sets hold
+            known.popitem(last=False)
         self._set(source, event).update(new)
         self.counts["stored"] += len(new)
 
@@ -147,6 +153,7 @@ class BlockIndex:
         with self._lock:
             self._local.pop(source, None)
             self._shared.pop(source, None)
+            self._ids.pop(source, None)
 
     # ----- scoring -----
 

@@ -125,6 +125,23 @@ def test_each_set_is_bounded() -> None:
     assert index.matches(ids, ["r1"]) == ({"r1": 0}, 0)  # the first block was forgotten
 
 
+def test_another_replicas_traffic_never_makes_a_replica_forget_its_block_hashes() -> None:
+    """Each engine hashes apart: one replica's many new blocks must not push another's
+    hashes out of the index, or that replica's later removals (and children) go unread
+    and the router credits it with blocks it dropped."""
+    index = BlockIndex(max_blocks=4)
+    index.apply("r1", [stored([11, 12], PROMPT[:8])])
+    for start in range(0, 40, 4):  # r2 stores 10 blocks of another prompt
+        other = list(range(500 + start, 504 + start))
+        index.apply("r2", [stored([1000 + start], other, 996 + start if start else None)])
+    ids = index.request_ids(PROMPT)
+    assert index.matches(ids, ["r1"])[0] == {"r1": 2}
+    index.apply("r1", [stored([13], PROMPT[8:12], 12)])  # its chain goes on
+    assert index.matches(ids, ["r1"])[0] == {"r1": 3}
+    index.apply("r1", [removed([11])])
+    assert index.matches(ids, ["r1"])[0] == {"r1": 0}
+
+
 def test_ranking_prefers_own_blocks_and_with_raykv_events_any_replica_that_can_load() -> None:
     from raykv.serve import rank_by_blocks
 
