@@ -234,6 +234,19 @@ def load_tokenizer(name_or_path: str) -> Any:
         raise ConfigError(f"router tokenizer {name_or_path!r} could not be loaded: {exc}") from exc
 
 
+def router_tokenizer(name_or_path: str | None) -> Any:
+    """`load_tokenizer` for a router being set up inside Serve: one that cannot be loaded
+    is logged and text prompts route by load (raising there left Serve's router never
+    initialized, and every request to the deployment waiting for it)."""
+    if not name_or_path:
+        return None
+    try:
+        return load_tokenizer(name_or_path)
+    except ConfigError as exc:
+        logger.error("%s; text prompts are routed by load", exc)
+        return None
+
+
 # ----- routers -----
 
 
@@ -267,7 +280,7 @@ class CacheAwareRouter(RequestRouter):
         """Called by Serve with `request_router_kwargs`: the cache's key fields (so the
         router's chunk keys equal the replicas'), its namespace, and the routing knobs.
         `tokenizer` (the model's, a name or path) lets it route text prompts by prefix."""
-        self._tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        self._tokenizer = router_tokenizer(tokenizer)
         self._keys = KeyMaker(
             model_name=model_name,
             world_size=world_size,
@@ -480,7 +493,7 @@ class EventsRouter(RequestRouter):
     ) -> None:
         from raykv.events_index import BlockIndex
 
-        self._tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        self._tokenizer = router_tokenizer(tokenizer)
         self._raykv_events = raykv_events
         self._imbalance = imbalance_threshold
         self._min_match = min_match_blocks

@@ -133,6 +133,16 @@ def test_a_router_with_the_models_tokenizer_routes_text_prompts_by_their_tokens(
         load_tokenizer(str(tmp_path / "no-such-tokenizer"))
 
 
+def test_a_router_whose_tokenizer_cannot_load_routes_by_load_and_says_so(tmp_path, caplog) -> None:
+    """Inside Serve a router's set-up must not raise (Serve would never mark it ready and
+    every request would wait): the error is logged and text prompts route by load."""
+    from raykv.serve import router_tokenizer
+
+    assert router_tokenizer(str(tmp_path / "no-such-tokenizer")) is None
+    assert "no-such-tokenizer" in caplog.text and "routed by load" in caplog.text
+    assert router_tokenizer(None) is None
+
+
 def test_a_cache_aware_router_forgets_replicas_serve_no_longer_lists(monkeypatch) -> None:
     """Scaled down, redeployed or replaced replicas leave through `update_replicas` (Serve
     calls `on_replica_actor_died` only for a death it saw): their routed and reported
