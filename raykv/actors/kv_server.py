@@ -58,9 +58,15 @@ class KVServer:
         )
 
     @ray.method(concurrency_group="write")
-    def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+    def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
         """Pull the caller's batch (or take arrays by value) and keep an own copy per chunk."""
-        return self._state.put(keys, metas, resolve_batch(batch))
+        return self._state.put(keys, metas, resolve_batch(batch), prefix or ())
 
     @ray.method(num_returns=2, concurrency_group="read")
     def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:
@@ -138,9 +144,15 @@ class RayServerBackend:
     def __repr__(self) -> str:
         return f"RayServerBackend({self.masked_url!r})"
 
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+    async def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
         # A list of refs travels as is: the server pulls the batch from its owner itself.
-        return await self._server.put.remote(keys, metas, batch)
+        return await self._server.put.remote(keys, metas, batch, prefix or [])
 
     async def get_batch(
         self, keys: list[CacheKey]

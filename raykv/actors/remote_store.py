@@ -35,8 +35,14 @@ class RemoteStoreActor:
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
         return f"RemoteStoreActor({self._store.url})"
 
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
-        return await self._store.put(keys, metas, batch)
+    async def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
+        return await self._store.put(keys, metas, batch, prefix or [])
 
     @ray.method(num_returns=2)
     async def get_batch(self, keys: list[CacheKey]) -> tuple[list[PayloadMeta | None], list]:

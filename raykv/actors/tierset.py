@@ -372,8 +372,9 @@ class TierSet:
                 self.skip_lower(tier, len(keys))
                 continue
             self._writes_in_flight[tier] += 1
-            # The remote tier is shared and keeps no per-writer priority.
-            kw = extra if tier != TIER_REMOTE else {}
+            # The remote tier is shared and keeps no per-writer priority; a ray:// server
+            # keeps the request's chain prefix-closed as the disk tier does.
+            kw = extra if tier != TIER_REMOTE else {"prefix": extra.get("prefix") or []}
             ref = self.handles[tier].put.remote(keys, metas, batch, **kw)
             self.spawn(self.finish_lower_put(tier, ref, keys, metas), name=f"raykv-put-{tier}")
 

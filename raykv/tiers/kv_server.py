@@ -51,52 +51,64 @@ class KVServerState:
         self.incarnation = uuid.uuid4().hex
 
     def put(
-        self, keys: Sequence[CacheKey], metas: Sequence[PayloadMeta], arrays: Sequence[np.ndarray]
+        self,
+        keys: Sequence[CacheKey],
+        metas: Sequence[PayloadMeta],
+        arrays: Sequence[np.ndarray],
+        prefix: Sequence[CacheKey] = (),
     ) -> PutAck:
         """Store chunks not held yet, evicting by policy to make room.
 
+        The request's chain (`prefix`, its chunks before `keys[0]`, then `keys`) stays
+        prefix-closed, as on disk: its held chunks are not evicted for its new ones, and
+        it is placed deepest first, so its prefix ends the most recent.
         A chunk whose array is not a byte buffer of its meta's declared size (or whose
         meta is not a valid `PayloadMeta`) is skipped and counted, never stored.
         """
         check_put_lengths(keys, metas, arrays)
         ack = PutAck()
-        for key, meta, array in zip(keys, metas, arrays, strict=True):
-            problem = buffer_problem(array, meta)
-            if problem is not None:
-                logger.warning("kv server: skipping %s: %s", key, problem)
-                ack.skipped.append(key)
-                continue
-            size = meta.nbytes
-            with self._lock:
-                if key in self._index or key in self._pending:
-                    ack.accepted.append(key)
-                    continue
-                fits, victims = self._index.reserve(key, size)
-                for victim, _ in victims:
-                    self._values.pop(victim, None)  # dropping the ref frees the object
-                    ack.evicted.append(victim)
-                if not fits:
-                    ack.skipped.append(key)
-                    continue
-                self._pending.add(key)
-            handle = None
-            try:
-                handle = self._store(array)
-            except Exception as exc:
-                logger.warning("kv server: cannot store %s: %s", key, exc)
-            with self._lock:
-                self._pending.discard(key)
-                if handle is None:
-                    self._index.unreserve(key)
-                    self._counts["errors"] += 1
-                    ack.skipped.append(key)
-                else:
-                    self._index.commit(key, size)
-                    self._values[key] = (handle, meta)
-                    ack.accepted.append(key)
+        chain = [*prefix, *keys]
         with self._lock:
-            # Deepest chunk first: a request's first chunk ends up the most recent.
-            self._index.order(reversed(ack.accepted))
+            self._index.spare(chain)
+        try:
+            for key, meta, array in zip(keys, metas, arrays, strict=True):
+                problem = buffer_problem(array, meta)
+                if problem is not None:
+                    logger.warning("kv server: skipping %s: %s", key, problem)
+                    ack.skipped.append(key)
+                    continue
+                size = meta.nbytes
+                with self._lock:
+                    if key in self._index or key in self._pending:
+                        ack.accepted.append(key)
+                        continue
+                    fits, victims = self._index.reserve(key, size)
+                    for victim, _ in victims:
+                        self._values.pop(victim, None)  # dropping the ref frees the object
+                        ack.evicted.append(victim)
+                    if not fits:
+                        ack.skipped.append(key)
+                        continue
+                    self._pending.add(key)
+                handle = None
+                try:
+                    handle = self._store(array)
+                except Exception as exc:
+                    logger.warning("kv server: cannot store %s: %s", key, exc)
+                with self._lock:
+                    self._pending.discard(key)
+                    if handle is None:
+                        self._index.unreserve(key)
+                        self._counts["errors"] += 1
+                        ack.skipped.append(key)
+                    else:
+                        self._index.commit(key, size)
+                        self._values[key] = (handle, meta)
+                        ack.accepted.append(key)
+        finally:
+            with self._lock:  # deepest first: the request's first chunk the most recent
+                self._index.place(chain, spared=True)
+        with self._lock:
             self._counts["evictions"] += len(ack.evicted)
             self._counts["skipped"] += len(ack.skipped)
         if ack.evicted:

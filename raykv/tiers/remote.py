@@ -72,7 +72,9 @@ class RemoteBackend(Protocol):
 
     scheme: str
 
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck: ...
+    async def put(
+        self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any, prefix: list[CacheKey]
+    ) -> PutAck: ...
 
     async def get_batch(
         self, keys: list[CacheKey]
@@ -144,7 +146,14 @@ class RedisBackend:
     def _name(self, key: CacheKey) -> str:
         return self.prefix + key.to_string()
 
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
+    async def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
+        """`prefix`: unused (Redis evicts by its own policy)."""
         arrays = await resolve_batch_async(batch)
         check_put_lengths(keys, metas, arrays)
         ack = PutAck()
@@ -429,15 +438,23 @@ class RemoteStore:
 
     # ----- LowerTier -----
 
-    async def put(self, keys: list[CacheKey], metas: list[PayloadMeta], batch: Any) -> PutAck:
-        """Store chunks (the first value of a key wins); a failure skips them all."""
+    async def put(
+        self,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        batch: Any,
+        prefix: list[CacheKey] | None = None,
+    ) -> PutAck:
+        """Store chunks (the first value of a key wins); a failure skips them all. `prefix`:
+        the request's chunks before `keys[0]` (a server that evicts by policy keeps the
+        chain prefix-closed with it)."""
         if not keys:
             return PutAck()
         nbytes = sum(m.nbytes for m in metas)
         timeout = self.timeout_s + nbytes / PUT_BYTES_PER_S
         return await self._call(
             "put",
-            lambda: self._backend.put(list(keys), list(metas), batch),
+            lambda: self._backend.put(list(keys), list(metas), batch, list(prefix or [])),
             PutAck(skipped=list(keys)),
             timeout,
         )

@@ -46,7 +46,7 @@ class FakeBackend:
             raise ConnectionError("refused by redis://:s3cret@host:1/0")
         return value
 
-    async def put(self, keys, metas, batch) -> PutAck:
+    async def put(self, keys, metas, batch, prefix=None) -> PutAck:
         return await self._act(PutAck(accepted=list(keys)))
 
     async def get_batch(self, keys):
@@ -145,6 +145,19 @@ def test_kv_server_state_keeps_the_first_value_and_evicts_deepest_first() -> Non
     assert ack.evicted == [key(3)]
     assert s.stats()["used_bytes"] == 4 * META.nbytes
     assert s.remove([key(4), key(9)]) == 1 and len(s.keys()) == 3
+
+
+def test_kv_server_state_keeps_a_later_turns_chain_prefix_closed() -> None:
+    """Turn 2 of a conversation stores chunks 2-3 after the prefix 0-1 it hit elsewhere
+    (a lookup does not touch the server): the server must neither evict that prefix for
+    them nor leave it older than them (it evicted the prefix first, stranding 2-3)."""
+    s = kv_state(4 * META.nbytes)
+    s.put([key(0), key(1)], [META] * 2, [data(0), data(1)])
+    s.put([key(8), key(9)], [META] * 2, [data(8), data(9)])  # another chain, more recent
+    ack = s.put([key(2), key(3)], [META] * 2, [data(2), data(3)], prefix=[key(0), key(1)])
+    assert ack.accepted == [key(2), key(3)] and sorted(ack.evicted) == [key(8), key(9)]
+    ack = s.put([key(5)], [META], [data(5)])  # the chain goes deepest first
+    assert ack.evicted == [key(3)]
 
 
 def test_kv_server_state_skips_what_cannot_fit_and_a_failed_store() -> None:
