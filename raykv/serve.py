@@ -304,8 +304,8 @@ class CacheAwareRouter(RequestRouter):
         # before its stats list it), and in the period before that.
         self._routed: dict[Any, PrefixSummary] = {}
         self._routed_before: dict[Any, PrefixSummary] = {}
-        # Reported summaries as sets, cached by the identity of the reported list.
-        self._reported: dict[Any, tuple[int, frozenset[int]]] = {}
+        # Reported summaries as sets, cached with the reported list they were made from.
+        self._reported: dict[Any, tuple[Any, frozenset[int]]] = {}
         # Per pending request: its chunk ids and the controller's {node: prefix chunks}
         # (asked once per request, even when Serve calls choose_replicas again).
         self._pending: OrderedDict[str, tuple[list[int], dict[str, int]]] = OrderedDict()
@@ -363,27 +363,32 @@ class CacheAwareRouter(RequestRouter):
         return cached
 
     def _summary(self, replica: RunningReplica) -> frozenset[int]:
-        # One object for "no stats" (an engine that reports none): not a new one per call,
-        # which would look like new stats each time and age the routed ids at once.
         reported = (replica.routing_stats or {}).get(STATS_KEY) or _NO_STATS
         rid = replica.replica_id
         cached = self._reported.get(rid)
-        if cached is None or cached[0] != id(reported):  # new stats: a routed generation ages
-            cached = (id(reported), frozenset(reported))
-            self._reported[rid] = cached
+        if cached is not None and cached[0] is reported:
+            return cached[1]
+        held = frozenset(reported)
+        # A routed generation ages only when the replica's list itself changed: Serve hands
+        # every replica new stats objects whenever any replica reports.
+        if cached is None or held != cached[1]:
             if rid in self._routed:
                 self._routed_before[rid] = self._routed.pop(rid)
             else:
                 self._routed_before.pop(rid, None)
-        return cached[1]
+        self._reported[rid] = (reported, held)
+        return held
 
     def match(self, replica: RunningReplica, ids: Sequence[int]) -> int:
         """Leading chunks of the request the replica served itself (reported or routed here)."""
         if not self._use_summaries:
             return 0
-        reported = covered_prefix(ids, self._summary(replica))  # ages the routed first
-        routed = (self._routed.get(replica.replica_id), self._routed_before.get(replica.replica_id))
-        return max([reported] + [r.covered(ids) for r in routed if r is not None])
+        best = covered_prefix(ids, self._summary(replica))  # ages the routed first
+        for routed in (self._routed, self._routed_before):
+            summary = routed.get(replica.replica_id)
+            if summary is not None:
+                best = max(best, summary.covered(ids))
+        return best
 
     async def choose_replicas(
         self,
@@ -574,7 +579,7 @@ class EventsRouter(RequestRouter):
         """Remember the request's blocks on its replica until its engine's events say."""
         tokens = self._tokens.pop(pending_request.metadata.internal_request_id, None)
         try:
-            ids = self.index.request_ids(tokens) if tokens else []
+            ids = self.index.request_ids(tokens) if tokens is not None and len(tokens) else []
         except Exception:
             ids = []
         if ids:

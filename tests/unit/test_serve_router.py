@@ -184,6 +184,9 @@ def test_an_events_router_given_array_tokens_routes_them_and_never_raises() -> N
         args=(np.arange(64),), kwargs={}, metadata=SimpleNamespace(internal_request_id="r")
     )
     assert router._request_ids(pending) == [64]
+    router._routed = {}
+    router.on_request_routed(pending, "a", None)  # its blocks count for their replica
+    assert "a" in router._routed
     router.index = SimpleNamespace(request_ids=lambda tokens: 1 / 0)
     router._tokens.clear()
     assert router._request_ids(pending) == []
@@ -191,8 +194,9 @@ def test_an_events_router_given_array_tokens_routes_them_and_never_raises() -> N
 
 def test_what_a_router_routed_counts_for_two_stats_periods_then_the_stats_decide() -> None:
     """A router credits a replica with what it routed there (its stats do not list it
-    yet), for the stats period it was routed in and the next; then only the replica's
-    own stats say what it holds. A replica that reports no stats keeps the credit."""
+    yet) until the replica's reported list has changed twice; then only the replica's
+    own stats say what it holds. New stats objects with the same list (Serve sends every
+    replica's whenever one reports) age nothing; a replica that reports none keeps it."""
     from types import SimpleNamespace
 
     from raykv import serve
@@ -208,9 +212,12 @@ def test_what_a_router_routed_counts_for_two_stats_periods_then_the_stats_decide
         router._routed[r.replica_id] = PrefixSummary(8)
         router._routed[r.replica_id].add(ids)
     assert router.match(replica, ids) == 3 and router.match(silent, ids) == 3
-    replica.routing_stats = {serve.STATS_KEY: [9]}  # a new stats period: still credited
+    for _ in range(5):  # Serve hands out new stats objects whenever any replica reports
+        replica.routing_stats = {serve.STATS_KEY: [9]}
+        assert router.match(replica, ids) == 3
+    replica.routing_stats = {serve.STATS_KEY: [9, 10]}  # its list changed: still credited
     assert router.match(replica, ids) == 3
-    replica.routing_stats = {serve.STATS_KEY: [1]}  # and another: its stats decide
+    replica.routing_stats = {serve.STATS_KEY: [1]}  # and changed again: its stats decide
     assert router.match(replica, ids) == 1
     assert router.match(silent, ids) == 3
 
