@@ -97,10 +97,23 @@ class BlockIndex:
                     ids = [known.get(h) for h in event.block_hashes]
                     held = self._set(source, event)
                     held.difference_update(i for i in ids if i is not None)
+                    self._prune(source, zip(event.block_hashes, ids, strict=True))
                     self.counts["removed"] += len(ids)
                 elif kind == "AllBlocksCleared":  # vLLM's pool reset (raykv never sends it)
                     self._local.pop(source, None)
+                    self._prune(source, list(self._ids.get(source, {}).items()))
                     self.counts["cleared"] += 1
+
+    def _prune(self, source: Hashable, pairs: Iterable[tuple[Hashable, int | None]]) -> None:
+        """Forget the block hashes of `pairs` whose ids neither of `source`'s sets holds
+        any more: a map holds about what its sets do, not every hash ever stored."""
+        known = self._ids.get(source)
+        if known is None:
+            return
+        sets = [s for s in (self._local.get(source), self._shared.get(source)) if s is not None]
+        for block_hash, block_id in pairs:
+            if block_id is not None and not any(block_id in s for s in sets):
+                known.pop(block_hash, None)
 
     def _set(self, source: Hashable, event: Any) -> BoundedKeySet:
         sets = self._shared if getattr(event, "ownership", None) == OWNERSHIP else self._local

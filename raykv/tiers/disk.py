@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 # Batches whose chunks average at least this many bytes are read on the read pool.
 PARALLEL_READ_BYTES = 512 << 10
+# Files get the policy's recency as mtimes in batches this long after it changed.
+STAMP_DELAY_S = 2.0
 _HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
 # `put_written` reports a write still running after this long as skipped.
 WRITTEN_ACK_TIMEOUT_SECS = 120.0
@@ -160,6 +162,8 @@ class DiskStore:
         self._index = ByteBudgetIndex(capacity_bytes, policy, expected_chunk_bytes)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._stamps_due: dict[CacheKey, int] = {}  # mtimes not yet given (`_note_stamps`)
+        self._stamp_timer: threading.Timer | None = None
         self._pending: dict[CacheKey, _Pending] = {}
         self._deleting: set[CacheKey] = set()
         self._finishing = 0  # cancelled writes whose file is still being removed
@@ -245,7 +249,7 @@ class DiskStore:
             if not stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device: never ours
                 bad += 1
                 continue
-            found.append((st.st_mtime, key, st.st_size))
+            found.append((st.st_mtime_ns, key, st.st_size))
         found.sort(key=lambda item: item[0])  # oldest first, so LRU order survives a restart
         for _, key, size in found:
             self._index.add(key, size)
@@ -415,8 +419,7 @@ class DiskStore:
         finally:
             with self._lock:
                 self._index.place(chain, priority, spared=True)
-                held = [k for k in prefix if k in self._index]
-        self._stamp([(k, stamps[k]) for k in held])  # its prefix is as recent as it
+                self._note_stamps(stamps.items())  # the chain, held chunks too
         if queue_full:
             logger.warning(
                 "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
@@ -469,12 +472,25 @@ class DiskStore:
         now = time.time_ns()
         return {key: now + (len(chain) - j) * 1000 for j, key in enumerate(chain)}
 
-    def _stamp(self, stamps: Iterable[tuple[CacheKey, int]]) -> None:
-        """Give held files the mtimes `stamps` (best effort: one gone meanwhile is
-        skipped). Never under the lock."""
-        for key, ns in stamps:
+    def _note_stamps(self, stamps: Iterable[tuple[CacheKey, int]]) -> None:
+        """Queue mtimes for files (under the lock): applied in one batch off the request
+        path `STAMP_DELAY_S` later (`_apply_stamps`), and at close; a crash loses at most
+        that much of the order."""
+        self._stamps_due.update(stamps)
+        if self._stamp_timer is None and not self._closed:
+            self._stamp_timer = threading.Timer(STAMP_DELAY_S, self._apply_stamps)
+            self._stamp_timer.daemon = True
+            self._stamp_timer.start()
+
+    def _apply_stamps(self) -> None:
+        """Give the files their queued mtimes (best effort: one gone meanwhile, or not
+        written yet, is skipped; a write stamps its own file once complete)."""
+        with self._lock:
+            due, self._stamps_due = self._stamps_due, {}
+            self._stamp_timer = None
+        for key, ns in due.items():
             try:
-                os.utime(self.path_of(key), ns=(ns, ns))
+                os.utime(self.path_of(key), ns=(ns, ns), follow_symlinks=False)
             except OSError:
                 pass
 
@@ -576,8 +592,6 @@ class DiskStore:
             # Neither file is left behind by a failure (a file outside the index and the
             # budget would be an orphan).
             size = self._files.write(rec.key, rec.tmp_path, (head, body))
-            if rec.stamp_ns:
-                self._stamp([(rec.key, rec.stamp_ns)])
         except OSError as exc:
             kind = "disk_full" if exc.errno in DISK_FULL else "write"
             logger.warning(
@@ -593,6 +607,8 @@ class DiskStore:
             if size >= 0 and not rec.cancelled:
                 self._index.commit(rec.key, size)
                 self._counts["stored_bytes"] += size
+                if rec.stamp_ns:
+                    self._note_stamps([(rec.key, rec.stamp_ns)])
             else:
                 self._index.unreserve(rec.key)
                 if size >= 0:  # removed while in flight: delete the file just written
@@ -639,7 +655,8 @@ class DiskStore:
         out = [next(loaded) if size is not None else None for size in sizes]
         hit = [key for key, item in zip(keys, out, strict=True) if item is not None]
         stamps = self._stamps(hit)
-        self._stamp((key, stamps[key]) for key in hit)  # as recent as the policy has them
+        with self._lock:
+            self._note_stamps(stamps.items())  # as recent as the policy has them
         hits = len(hit)
         with self._lock:
             self._counts["hits"] += hits
@@ -756,11 +773,16 @@ class DiskStore:
             }
 
     def close(self, wait: bool = True) -> None:
-        """Stop the writer threads (finishing queued writes when `wait`)."""
+        """Stop the writer threads (finishing queued writes when `wait`), then give the
+        files their queued mtimes."""
         self._closed = True
         self._pool.shutdown(wait=wait)
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=wait)
+        timer = self._stamp_timer
+        if timer is not None:
+            timer.cancel()
+        self._apply_stamps()
 
     def _count(self, name: str, n: int) -> None:
         if n:

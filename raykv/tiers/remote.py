@@ -125,8 +125,9 @@ class RedisBackend:
         # With a secret, its records live under names of their own: a value there that
         # fails its MAC is corrupt or forged (never another secret's) and is deleted, so
         # the next put stores the key again (SET NX kept the bad value for good).
-        tag = f"{secret_tag(self._secret)}:" if self._secret else ""
-        self.prefix = f"{config.namespace}:kv:{tag}"
+        # (`ns:kv-<tag>:`, outside the no-secret names' `ns:kv:*`: their scans never meet)
+        tag = f"-{secret_tag(self._secret)}" if self._secret else ""
+        self.prefix = f"{config.namespace}:kv{tag}:"
         self._skipped = 0  # chunks refused by put (array and meta disagree)
         self._max_keys = getattr(config, "remote_index_max_keys", None)
         self._timeout_s = timeout_s

@@ -245,6 +245,7 @@ def test_restart_on_the_same_directory_serves_the_same_bytes(tmp_path: Path) -> 
     for i in range(6):
         meta, data = second.get([key(i)])[0]
         assert meta == chunk(i)[0] and np.array_equal(data, chunk(i)[1])
+    second.close()  # gives the files their queued mtimes
     # a smaller budget on reopen evicts the least recent first: reads count (5 read last)
     third = DiskStore(tmp_path, 3 * ds.record_size(chunk(0)[0], key(0)) + 100)
     assert sorted(third.keys()) == [key(3), key(4), key(5)]
@@ -525,3 +526,21 @@ def test_a_put_after_close_is_skipped_and_flush_does_not_wait_for_it(tmp_path: P
     assert store.flush(5) and time.monotonic() - t0 < 1
     assert store._index.reserved == 0
     store.close()
+
+
+def test_recency_reaches_the_files_in_batches_off_the_read_path(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A read queues its chunks' new mtimes instead of touching each file (a metadata
+    write per chunk on the lookup's path): they land in one batch later, or at close."""
+    monkeypatch.setattr(ds, "STAMP_DELAY_S", 60.0)
+    store = DiskStore(tmp_path, 1 << 20)
+    put(store, [1])
+    store._apply_stamps()  # what the put queued
+    path = store.path_of(key(1))
+    before = os.stat(path).st_mtime_ns
+    time.sleep(0.01)
+    assert store.get([key(1)])[0] is not None
+    assert os.stat(path).st_mtime_ns == before  # not on the read's path
+    store.close()
+    assert os.stat(path).st_mtime_ns > before

@@ -140,6 +140,10 @@ def test_another_replicas_traffic_never_makes_a_replica_forget_its_block_hashes(
     assert index.matches(ids, ["r1"])[0] == {"r1": 3}
     index.apply("r1", [removed([11])])
     assert index.matches(ids, ["r1"])[0] == {"r1": 0}
+    assert 11 not in index._ids["r1"] and 12 in index._ids["r1"]  # a map holds what is held
+    index.apply("r1", [stored([13], PROMPT[8:12], 12, raykv=True)])  # raykv holds 13 too
+    index.apply("r1", [removed([12, 13])])  # vLLM drops them; raykv's 13 stays known
+    assert 12 not in index._ids["r1"] and 13 in index._ids["r1"]
 
 
 def test_ranking_prefers_own_blocks_and_with_raykv_events_any_replica_that_can_load() -> None:

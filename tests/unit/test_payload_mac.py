@@ -343,7 +343,9 @@ def test_planted_redis_values_are_misses_deleted_and_stored_again(redis_server: 
         assert all(np.array_equal(a, data(3)) for a in second[1])
         assert client.get(backend._name(keys[0]))[4] == pl.VERSION_KEYED
         assert SECRET not in repr(backend) and SECRET not in str(stats)
-        assert SECRET not in backend.prefix and backend.prefix.startswith("mac:kv:")
+        assert SECRET not in backend.prefix and backend.prefix.startswith("mac:kv-")
+        plain = redis_backend(redis_server.url, None)
+        assert plain.prefix == "mac:kv:"  # names without a secret are as they were
     finally:
         client.close()
 
