@@ -259,6 +259,15 @@ class ChunkFiles:
         with open_regular(path) as f:
             return os.fstat(f.fileno()).st_size, f.read(n)
 
+    def stamp(self, key: CacheKey, ns: int) -> bool:
+        """Set `key`'s file's mtime to `ns` (what a restart orders the policy by); False if
+        the file is gone (or not written yet). A symlink is never followed."""
+        try:
+            os.utime(self.path_of(key), ns=(ns, ns), follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
     def exists(self, key: CacheKey) -> bool:
         return os.path.exists(self.path_of(key))
 

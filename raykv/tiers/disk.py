@@ -489,10 +489,7 @@ class DiskStore:
             due, self._stamps_due = self._stamps_due, {}
             self._stamp_timer = None
         for key, ns in due.items():
-            try:
-                os.utime(self.path_of(key), ns=(ns, ns), follow_symlinks=False)
-            except OSError:
-                pass
+            self._files.stamp(key, ns)
 
     def _put_one(
         self,
