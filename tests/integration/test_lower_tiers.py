@@ -395,7 +395,7 @@ def test_redis_corrupt_value_is_a_miss_and_is_deleted(tier: Tier) -> None:
 def test_payload_secret_keys_disk_and_redis_records_and_refuses_planted_ones(
     tmp_path: Path, redis_module: RedisServer
 ) -> None:
-    from raykv.payload import VERSION_KEYED, encode
+    from raykv.payload import VERSION_KEYED, encode, secret_tag
 
     secret = "a shared secret for this test"
     namespace = f"mac-{uuid.uuid4().hex[:8]}"  # its own Redis key prefix
@@ -414,7 +414,7 @@ def test_payload_secret_keys_disk_and_redis_records_and_refuses_planted_ones(
             assert_hits(handle, [1, 2])
         disk_dir = Path(ray.get(disk_handle.stats.remote())["directory"])
         disk_file = disk_dir / key(1).chunk_hash[:2] / (key(1).to_string() + ".rkv")
-        redis_name = f"{namespace}:kv:{key(1).to_string()}"
+        redis_name = f"{namespace}:kv-{secret_tag(secret)}:{key(1).to_string()}"
         assert disk_file.read_bytes()[4] == VERSION_KEYED
         assert client.get(redis_name)[4] == VERSION_KEYED
         # A writer without the secret plants a valid plain record of key 1 in both.
@@ -426,9 +426,11 @@ def test_payload_secret_keys_disk_and_redis_records_and_refuses_planted_ones(
             metas, arrays = get(handle, [1, 2])
             assert metas[0] is None and arrays[0].size == 0, "a planted record was served"
             assert metas[1] == chunk(2)[0] and np.array_equal(arrays[1], chunk(2)[1])
-        # The disk tier deletes it; Redis is shared with processes that may hold another
-        # secret (or none), so a well-formed record not keyed with ours stays, a miss.
-        assert not disk_file.exists() and client.exists(redis_name)
+        # Both delete it: under this secret's own Redis names (no other secret's, and no
+        # plain writer's, are there) a record that fails the MAC is corrupt or forged.
+        assert not disk_file.exists() and not client.exists(redis_name)
+        put(redis_handle, [1])  # and the key is stored again
+        assert_hits(redis_handle, [1, 2])
         for handle in handles:
             assert secret not in repr(ray.get(handle.stats.remote()))
     finally:
