@@ -261,10 +261,11 @@ class ChunkFiles:
 
     def stamp(self, key: CacheKey, ns: int) -> bool:
         """Set `key`'s file's mtime to `ns` (what a restart orders the policy by); False if
-        the file is gone (or not written yet). A symlink is never followed."""
+        the file is gone (or not written yet), or the key names no file. A symlink is never
+        followed."""
         try:
             os.utime(self.path_of(key), ns=(ns, ns), follow_symlinks=False)
-        except OSError:
+        except (OSError, InvalidInputError):
             return False
         return True
 

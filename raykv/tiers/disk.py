@@ -464,18 +464,15 @@ class DiskStore:
 
     @staticmethod
     def _stamps(chain: Sequence[CacheKey]) -> dict[CacheKey, int]:
-        """An mtime for each file of a request's `chain` (shallowest first): now, the
-        first chunk the most recent. A restart rebuilds the policy's order from the
-        files' mtimes (`_rebuild`), so it evicts a chain deepest first, as the policy
-        did: files left with their write times put a shared prefix, written first and
-        read ever since, first in line."""
+        """An mtime for each file of a request's `chain` (shallowest first), the first
+        chunk the most recent: a restart orders the policy by mtime (`_rebuild`), so it
+        evicts a chain deepest first (with write times, its prefix went first)."""
         now = time.time_ns()
         return {key: now + (len(chain) - j) * 1000 for j, key in enumerate(chain)}
 
     def _note_stamps(self, stamps: Iterable[tuple[CacheKey, int]]) -> None:
         """Queue mtimes for files (under the lock): applied in one batch off the request
-        path `STAMP_DELAY_S` later (`_apply_stamps`), and at close; a crash loses at most
-        that much of the order."""
+        path `STAMP_DELAY_S` later, and at close (a crash loses at most that much)."""
         self._stamps_due.update(stamps)
         if self._stamp_timer is None and not self._closed:
             self._stamp_timer = threading.Timer(STAMP_DELAY_S, self._apply_stamps)
