@@ -419,7 +419,8 @@ class DiskStore:
         finally:
             with self._lock:
                 self._index.place(chain, priority, spared=True)
-                self._note_stamps(stamps.items())  # the chain, held chunks too
+                # its held chunks now; a new one's write stamps its file once complete
+                self._note_stamps((k, ns) for k, ns in stamps.items() if k in self._index)
         if queue_full:
             logger.warning(
                 "disk tier: write queue full for %.1f s, skipping %d chunk(s)",
