@@ -6,9 +6,14 @@ On CUDA the batched calls never make the engine's thread wait for the device:
 
 * `load_batch`: a request's chunks are packed layer-major into pinned host slabs
   (torch's caching host allocator: pinned once, reused once its copies are done), each
-  sent to the device on a load stream while the next is packed, and scattered into the
-  blocks there; the returned event says when the blocks hold them (a loader thread
-  waits on it, a synchronous load makes the compute stream wait on it).
+  sent to the device while the next is packed, and scattered into the blocks there
+  through a device buffer of at most `LOAD_DEVICE_BYTES` (a load of a long prefix takes
+  no device memory of its own size beside vLLM's pool); the returned event says when the blocks hold
+  them (a loader thread waits on it, a synchronous load makes the compute stream wait
+  on it). A load starts on the device only after the compute work queued when it was
+  asked for (a block vLLM hands a load may still be read, written or zeroed by kernels
+  of earlier steps). Async loads run on one load stream, in-step loads on their own,
+  so a forward never waits behind another request's async copy.
 * `save_batch`: a save stream waits for the compute stream's work so far, gathers the
   step's blocks on the device, and copies them into the caller's pinned buffers; the
   compute stream waits only for the on-device gather (the blocks may be reused in the
@@ -35,6 +40,10 @@ LoadPart = tuple[Any, PayloadMeta, Sequence[int], int]
 # A CUDA load packs its parts into pinned slabs of about this size, each sent to the
 # device as soon as it is packed, so packing and the bus overlap.
 LOAD_SLAB_BYTES = 64 << 20
+# ... into a device buffer of at most this size, scattered into the blocks once full: a
+# long prefix's load (4 GiB for 32k tokens of Llama-3-8B) takes no device memory of its
+# own size beside vLLM's pool, and a round costs one scatter launch per layer.
+LOAD_DEVICE_BYTES = 256 << 20
 
 
 def _slabs(parts: list[tuple[Any, torch.Tensor]], blocks: int) -> list[list[Any]]:
@@ -99,7 +108,8 @@ class PageConnector:
         self.block_nbytes = len(layers) * first[0].numel() * first.element_size()
         self.batched = self.device.type == "cuda"  # load_batch/save_batch use streams
         if self.batched:
-            self._load_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device)  # async loads
+            self._step_stream = torch.cuda.Stream(self.device)  # in-step loads
             self._save_stream = torch.cuda.Stream(self.device)
 
     def meta(self, num_blocks: int) -> PayloadMeta:
@@ -224,13 +234,19 @@ class PageConnector:
         compute.wait_event(gathered_event)  # later kernels may overwrite the blocks after it
         return metas, copied
 
-    def load_batch(self, parts: Sequence[LoadPart]) -> Any:
+    def load_batch(self, parts: Sequence[LoadPart], after: Any = None) -> Any:
         """`load` of several payloads: an event that is done once the blocks hold them (on
         CPU, at once: the parts are copied one by one). On CUDA the parts go through
         pinned slabs of `LOAD_SLAB_BYTES` (the host packs one while the last crosses the
-        bus) and one scatter per layer on the load stream; before the blocks are read,
+        bus), scattered into the blocks on the device in rounds of `LOAD_DEVICE_BYTES`;
+        before the blocks are read,
         wait for the event (`event.synchronize()` on a loader thread, or
-        `wait_on_compute(event)` before a forward pass)."""
+        `wait_on_compute(event)` before a forward pass).
+
+        `after` is `compute_event()` recorded on the engine's thread when an async load
+        was asked for: the copies run on the load stream once the device got there. None
+        is an in-step load for the calling thread's next forward: the copies run on their
+        own stream after the work queued on the current stream so far."""
         if not self.batched:
             for buf, meta, block_ids, first in parts:
                 self.load(buf, meta, block_ids, first)
@@ -242,34 +258,53 @@ class PageConnector:
             return DONE
         # A loader thread starts on device 0: its pinned buffers and copies belong to ours.
         with torch.cuda.device(self.device):
-            return self._load_on_device(checked)
+            if after is None:
+                stream = self._step_stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                stream = self._load_stream
+                stream.wait_event(after)
+            return self._load_on_device(checked, stream)
 
-    def _load_on_device(self, checked: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        total = sum(len(idx) for _src, idx in checked)
-        row = self.block_nbytes // len(self.layers)
-        ids = torch.cat([idx for _src, idx in checked]).pin_memory()
-        stream = self._load_stream
-        with torch.cuda.stream(stream):
-            dev = torch.empty((len(self.layers), total, row), dtype=torch.uint8, device=self.device)
-            didx = ids.to(self.device, non_blocking=True)
-        # Slabs: the host packs slab k+1 into pinned memory while slab k crosses the bus.
-        at = 0
-        for group in _slabs(checked, LOAD_SLAB_BYTES // self.block_nbytes):
-            n = sum(len(idx) for _src, idx in group)
-            staging = torch.empty((len(self.layers), n, row), dtype=torch.uint8, pin_memory=True)
-            k = 0
-            for src, idx in group:
-                m = len(idx)
-                staging[:, k : k + m].copy_(src.contiguous().view(torch.uint8).reshape(-1, m, row))
-                k += m
-            with torch.cuda.stream(stream):  # the caching host allocator keeps `staging`
-                dev[:, at : at + n].copy_(staging, non_blocking=True)  # until this ran
-            at += n
-        with torch.cuda.stream(stream):
-            for i, layer in enumerate(self.layers):
-                pages = dev[i].view(self.dtype).reshape(total, *self.block_shape)
-                layer.index_copy_(0, didx, pages)
-            return stream.record_event()
+    def compute_event(self) -> Any:
+        """An event after the work queued on the calling thread's current stream: what an
+        async load asked for now must follow on the device (see `load_batch`)."""
+        if not self.batched:
+            return DONE
+        return torch.cuda.current_stream(self.device).record_event()
+
+    def _load_on_device(self, checked: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:
+        num_layers = len(self.layers)
+        row = self.block_nbytes // num_layers
+        # Rounds of up to LOAD_DEVICE_BYTES through one device buffer, each in slabs: the
+        # host packs slab k+1 into pinned memory while slab k crosses the bus. A round's
+        # buffer is freed to `stream` once scattered and the next round's reuses it (the
+        # caching allocator orders reuse on one stream).
+        for rnd in _slabs(checked, LOAD_DEVICE_BYTES // self.block_nbytes):
+            total = sum(len(idx) for _src, idx in rnd)
+            ids = torch.cat([idx for _src, idx in rnd]).pin_memory()
+            with torch.cuda.stream(stream):
+                dev = torch.empty((num_layers, total, row), dtype=torch.uint8, device=self.device)
+                didx = ids.to(self.device, non_blocking=True)
+            at = 0
+            for group in _slabs(rnd, LOAD_SLAB_BYTES // self.block_nbytes):
+                n = sum(len(idx) for _src, idx in group)
+                staging = torch.empty((num_layers, n, row), dtype=torch.uint8, pin_memory=True)
+                k = 0
+                for src, idx in group:
+                    m = len(idx)
+                    part = src.contiguous().view(torch.uint8).reshape(-1, m, row)
+                    staging[:, k : k + m].copy_(part)
+                    k += m
+                with torch.cuda.stream(stream):  # the caching host allocator keeps
+                    dev[:, at : at + n].copy_(staging, non_blocking=True)  # `staging` until
+                at += n  # this copy ran
+            with torch.cuda.stream(stream):
+                for i, layer in enumerate(self.layers):
+                    pages = dev[i].view(self.dtype).reshape(total, *self.block_shape)
+                    layer.index_copy_(0, didx, pages)
+            del dev, didx, pages  # (`pages` views `dev`)
+        return stream.record_event()
 
     def wait_on_compute(self, event: Any) -> None:
         """Make the compute stream wait for `event` (a synchronous load before a forward

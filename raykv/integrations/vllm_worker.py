@@ -135,15 +135,21 @@ class WorkerSide:
         already did."""
         if self._pages is None or meta is self._started:
             return
-        for spec in meta.loads:
+        after = None  # on CUDA: the device work these loads follow (kernels of earlier
+        for spec in meta.loads:  # steps may still read, write or zero their blocks)
             if spec.sync:  # in the step
                 continue
+            after = self._pages.compute_event() if after is None else after
             stop = threading.Event()
-            future = self._loader.submit(self._load, spec, stop, time.perf_counter())
+            future = self._loader.submit(self._load, spec, stop, time.perf_counter(), after)
             self._loads[spec.req_id] = WorkerLoad(spec, future, stop)
 
     def _load(
-        self, spec: LoadSpec, stop: threading.Event | None, submitted: float | None = None
+        self,
+        spec: LoadSpec,
+        stop: threading.Event | None,
+        submitted: float | None = None,
+        after: Any = None,
     ) -> set[int]:
         """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
         fill. A set `stop` or the load time-out (from its submission) ends it at a chunk
@@ -180,7 +186,7 @@ class WorkerSide:
                     done = hi
                 reached = hi
             if parts:
-                written = self._pages.load_batch(parts)
+                written = self._pages.load_batch(parts, after)
                 if stop is None:  # in-step: the forward waits on the device, not the host
                     self._pages.wait_on_compute(written)
                 else:  # a loader thread: reported once the blocks hold the bytes

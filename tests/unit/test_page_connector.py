@@ -310,8 +310,7 @@ def test_an_in_step_load_orders_the_forward_after_the_copy_without_a_host_wait()
     [(buf, meta)] = payloads_of(PageConnector(src), [[2, 5, 1]])
     dst = cuda_cache(54)
     conn = PageConnector(dst)
-    with torch.cuda.stream(conn._load_stream):
-        torch.cuda._sleep(STALL)  # a load stream busy with an earlier request's copy
+    torch.cuda._sleep(STALL)  # the previous step's forward, still running
     written = conn.load_batch([(buf, meta, [0, 7, 4], 0)])
     assert not written.query()  # returned before the copy ran
     conn.wait_on_compute(written)
@@ -329,7 +328,7 @@ def test_back_to_back_loads_never_share_a_pinned_staging_buffer_in_flight():
     first, second = payloads_of(PageConnector(src), [[1, 2], [5, 6]])
     dst = cuda_cache(56)
     conn = PageConnector(dst)
-    with torch.cuda.stream(conn._load_stream):
+    with torch.cuda.stream(conn._step_stream):
         torch.cuda._sleep(STALL)
     events = [
         conn.load_batch([(*first, [0, 3], 0)]),
@@ -344,8 +343,10 @@ def test_back_to_back_loads_never_share_a_pinned_staging_buffer_in_flight():
 
 
 @cuda_only
-def test_a_load_in_many_slabs_writes_every_part(monkeypatch):
+@pytest.mark.parametrize("device_bytes", [1, 1 << 30], ids=["a-round-a-part", "one-round"])
+def test_a_load_in_many_slabs_writes_every_part(monkeypatch, device_bytes):
     monkeypatch.setattr(page_connector, "LOAD_SLAB_BYTES", 1)  # one part per slab
+    monkeypatch.setattr(page_connector, "LOAD_DEVICE_BYTES", device_bytes)
     src = make_cache(torch.float16, seed=59)
     parts = payloads_of(PageConnector(src), [[1, 2], [3], [4, 5, 6]])
     dst = cuda_cache(60)
@@ -356,6 +357,82 @@ def test_a_load_in_many_slabs_writes_every_part(monkeypatch):
     for i in range(NUM_LAYERS):
         got = conn.layers[i].cpu()
         assert same_bits(got[[7, 0, 2, 3, 4]], src[i][[1, 2, 3, 5, 6]])
+
+
+@cuda_only
+def test_an_async_load_waits_for_the_compute_work_queued_when_it_was_asked_for():
+    """A block vLLM hands a load may still be written by kernels of earlier steps (a
+    freed block's last forward, its zeroing): the copy must land after them, or they
+    overwrite it. An async load follows the event recorded when it was asked for, even
+    from a loader thread whose own stream knows nothing of the engine's. (The in-step
+    order is tested end to end in test_vllm_worker_device.py: here, on an H100, the
+    in-step form passed even without its wait, so it proved nothing.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = make_cache(torch.bfloat16, seed=61)
+    [(buf, meta)] = payloads_of(PageConnector(src), [[2, 5]])
+    dst = cuda_cache(62)
+    conn = PageConnector(dst)
+    # Warm up: a first pinned allocation (cudaHostAlloc) can make the host wait for the
+    # device; an engine's loads reuse cached pinned memory.
+    conn.load_batch([(buf, meta, [6, 1], 0)]).synchronize()
+    blocks = torch.tensor([6, 1], device="cuda")  # (a host list would make the host wait)
+    torch.cuda._sleep(STALL)  # an earlier step's work, still running ...
+    for layer in dst:
+        layer.index_fill_(0, blocks, 0)  # ... that zeroes the blocks the load is handed
+    assert not torch.cuda.current_stream().query()  # the host did not wait for it
+    after = conn.compute_event()  # on the engine's thread, when the load is asked for
+    with ThreadPoolExecutor(1) as loader:
+        loader.submit(lambda: conn.load_batch([(buf, meta, [6, 1], 0)], after).synchronize())
+    torch.cuda.synchronize()
+    for i in range(NUM_LAYERS):
+        assert same_bits(dst[i][[6, 1]].cpu(), src[i][[2, 5]])
+
+
+@cuda_only
+def test_an_in_step_load_never_waits_behind_an_async_load():
+    """Async loads (a loader thread's) and in-step loads (the next forward waits for
+    them) run on different streams: the forward never waits for another request's copy."""
+    src = make_cache(torch.bfloat16, seed=63)
+    slow_part, fast_part = payloads_of(PageConnector(src), [[1, 2], [3]])
+    dst = cuda_cache(64)
+    conn = PageConnector(dst)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(STALL)  # the async load's event comes after a long forward
+        after = side.record_event()
+    slow = conn.load_batch([(*slow_part, [0, 4], 0)], after)
+    fast = conn.load_batch([(*fast_part, [7], 0)])
+    fast.synchronize()
+    assert not slow.query()
+    slow.synchronize()
+    for i in range(NUM_LAYERS):
+        got = dst[i].cpu()
+        assert same_bits(got[[0, 4]], src[i][[1, 2]]) and same_bits(got[[7]], src[i][[3]])
+
+
+@cuda_only
+def test_a_load_takes_a_slab_of_device_memory_not_the_whole_loads(monkeypatch):
+    """A long prefix's load must not allocate its own size on the device beside vLLM's
+    pool (a 32k-token Llama-8B prefix is 4 GiB): it goes in rounds through one buffer."""
+    shape = (64, 64, 1024)  # 64 blocks of 128 KiB a layer
+    src = [torch.randn(shape).to(torch.bfloat16) for _ in range(2)]
+    conn = PageConnector([torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in src])
+    parts = [(*PageConnector(src).save(list(range(k, k + 4))), list(range(k, k + 4)), 0)
+             for k in range(0, 64, 4)]  # fmt: skip
+    monkeypatch.setattr(page_connector, "LOAD_SLAB_BYTES", 4 * conn.block_nbytes)
+    monkeypatch.setattr(page_connector, "LOAD_DEVICE_BYTES", 8 * conn.block_nbytes)
+    conn.load_batch(parts[:1]).synchronize()  # warm the kernels and the allocator
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    conn.load_batch(parts).synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # One round's buffer (8 blocks), the device side of a slab's copy into it (4: it is
+    # strided there) and the block ids; the load is 64 blocks (16 MiB).
+    assert extra <= 12 * conn.block_nbytes + (1 << 20), extra
+    for i in range(2):
+        assert same_bits(conn.layers[i].cpu(), src[i])
 
 
 def test_slabs_keep_the_order_and_hold_at_least_one_part():

@@ -243,6 +243,28 @@ def test_a_load_writes_the_saved_bytes_into_other_blocks_and_nothing_else(worker
     assert w.loaded_tokens == 2 * CHUNK and w.failed_tokens == 0
 
 
+@pytest.mark.parametrize("sync", [True, False], ids=["in-step", "async"])
+def test_a_load_lands_after_the_earlier_steps_writes_to_its_blocks(worker, sync):
+    """The blocks a load is handed may have been freed by a request whose kernels (or
+    vLLM's zeroing of them) still wait on the compute stream: the load must land after
+    them. On CUDA those writes wait behind a long kernel while the host goes on."""
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    target = [10, 11, 20, 13]
+    blocks = torch.tensor(target, device=device)  # (from a list the host would wait)
+    hold_the_device(device)
+    for layer in layers:
+        layer.index_fill_(0, blocks, 0)  # an earlier step's
+    if device == "cuda":
+        assert not torch.cuda.current_stream().query()  # still queued when the load starts
+    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=sync)])
+    w.handle_preemptions(w._get_connector_metadata())
+    w.start_load_kv(None)
+    if not sync:
+        assert wait_reported(w, "q") == {"q"}
+    assert blocks_bytes(layers, target) == want  # read on the compute stream, after both
+
+
 def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
     """On CPU the load starts in handle_preemptions, beside the step's forward (vLLM's
     start_load_kv comes after the forward, a whole step later there); on CUDA after the
