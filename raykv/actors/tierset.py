@@ -89,6 +89,7 @@ class TierSet:
         self._release_timer: asyncio.Handle | None = None
         self._loop = asyncio.get_running_loop()  # built on the manager's loop
         self._probe: RemoteStore | None = None  # the remote server, asked by lookups directly
+        self._probe_opening: asyncio.Task | None = None  # `open_remote` running off the loop
 
     @property
     def peers(self) -> dict[str, Any]:
@@ -232,17 +233,34 @@ class TierSet:
         Asked of the remote server itself (a Redis server, a `ray://` KVServer) from this
         process, not through the remote tier's actor: one hop less on every lookup that
         reaches the remote. Behind the remote's circuit breaker; bounded by its time-out.
+        The probe is opened off the loop (finding or creating a `ray://` server waits on
+        the GCS); a lookup waits for that at most the probe's time-out, and one that
+        gives up does not ask the remote (a miss there, not a failure).
         """
         if self._probe is None:
             timeout = self._config.lookup_timeout_ms / 1000 * REMOTE_PROBE_SHARE
+            opening = self._probe_opening
+            if opening is None:
+                opening = self.spawn(self._open_probe(timeout), name="raykv-open-probe")
+                self._probe_opening = opening
             try:
-                self._probe = open_remote(self._config, timeout_s=timeout)
-            except Exception as exc:
-                self.remote_error("contains", exc)
+                await asyncio.wait_for(asyncio.shield(opening), timeout)
+            except asyncio.TimeoutError:
+                return None, False
+            if self._probe is None:  # it could not be opened (counted by `_open_probe`)
                 return None, True
         errors = self._probe.errors
         found = await self._probe.contains(keys)
         return found, self._probe.errors != errors
+
+    async def _open_probe(self, timeout: float) -> None:
+        try:
+            self._probe = await asyncio.to_thread(open_remote, self._config, timeout_s=timeout)
+        except Exception as exc:  # a waiting lookup counts it in the index (`failed`)
+            metrics.inc("raykv_remote_errors", backend=self._backend)
+            logger.warning("cannot open the remote probe (%r); lookups miss there", exc)
+        finally:
+            self._probe_opening = None
 
     def blocking_probe(self) -> RemoteStore | None:
         """The remote probe when it can be asked from a thread that blocks (a `ray://`

@@ -41,3 +41,85 @@ def test_a_dropped_probe_closes_its_redis_client(redis_server, tmp_path: Path) -
         admin.close()
     assert seen[0] == before + 1  # the probe's connection
     assert seen[1::2] == [before] * 3  # closed after each drop: no connection piles up
+
+
+class _SlowOpen:
+    """`open_remote` that takes `delay` seconds (a `ray://` server found or created
+    through the GCS) or fails, counting its calls."""
+
+    def __init__(self, delay: float, fail: bool = False) -> None:
+        self.delay, self.fail, self.calls = delay, fail, 0
+
+    def __call__(self, config: RayKVConfig, timeout_s: float | None = None) -> object:
+        import time
+
+        self.calls += 1
+        time.sleep(self.delay)  # blocking, as a GCS call is
+        if self.fail:
+            raise ConnectionError("no such server")
+        return _Probe()
+
+
+class _Probe:
+    errors = 0
+
+    async def contains(self, keys: list) -> list[bool]:
+        return [True] * len(keys)
+
+
+def _bare_tierset() -> TierSet:
+    tiers = object.__new__(TierSet)  # only the probe's bookkeeping, no Ray
+    tiers._config = RayKVConfig(remote_url="ray://kv", local_cpu=False, lookup_timeout_ms=100)
+    tiers._background, tiers._probe, tiers._probe_opening = set(), None, None
+    tiers._backend = "ray"
+    return tiers
+
+
+def test_the_probe_opens_off_the_loop_once_and_lookups_meanwhile_skip_the_remote(
+    monkeypatch,
+) -> None:
+    """Opening a `ray://` probe waits on the GCS: on the manager's loop it held every
+    lookup and report. It runs in a thread, once for all the lookups that need it; a
+    lookup waits for it at most the probe's time-out and then misses the remote."""
+    from raykv.actors import tierset
+
+    opener = _SlowOpen(delay=0.5)
+    monkeypatch.setattr(tierset, "open_remote", opener)
+
+    async def scenario() -> tuple[list, float, tuple]:
+        tiers = _bare_tierset()
+        lags: list[float] = []
+
+        async def ticker() -> None:  # the loop's other work: how late does it run?
+            loop = asyncio.get_running_loop()
+            for _ in range(25):
+                t = loop.time()
+                await asyncio.sleep(0.02)
+                lags.append(loop.time() - t - 0.02)
+
+        tick = asyncio.ensure_future(ticker())
+        early = await asyncio.gather(*(tiers.probe_remote(["k"]) for _ in range(4)))
+        await tick
+        await asyncio.gather(*tiers._background)
+        return early, max(lags), await tiers.probe_remote(["k", "j"])
+
+    early, lag, later = asyncio.run(scenario())
+    assert early == [(None, False)] * 4  # still opening: not asked, not a failure
+    assert lag < 0.25, lag  # the loop ran on while the probe opened
+    assert later == ([True, True], False) and opener.calls == 1
+
+
+def test_a_probe_that_cannot_be_opened_is_a_failed_remote_and_is_tried_again(
+    monkeypatch,
+) -> None:
+    from raykv.actors import tierset
+
+    opener = _SlowOpen(delay=0.0, fail=True)
+    monkeypatch.setattr(tierset, "open_remote", opener)
+
+    async def scenario() -> list:
+        tiers = _bare_tierset()
+        return [await tiers.probe_remote(["k"]) for _ in range(2)]
+
+    assert asyncio.run(scenario()) == [(None, True)] * 2
+    assert opener.calls == 2
