@@ -146,6 +146,11 @@ class ControllerState:
         for tier, keys in snapshot.items():
             self._add(instance, tier, keys)
 
+    def drop(self, instance: str, tier: str, keys: Iterable[CacheKey]) -> None:
+        """`instance` was found not to hold `keys` in `tier` (a stale listing): unlist
+        them there (the rest of what it holds stays listed)."""
+        self._remove(instance, tier, keys)
+
     def forget(self, instance: str) -> None:
         """Drop an instance (it died, or is about to resync)."""
         for tier, keys in list(self._held.get(instance, {}).items()):
@@ -309,6 +314,9 @@ class KVController:
 
     def forget(self, instance: str) -> None:
         self._state.forget(instance)
+
+    def drop(self, instance: str, tier: str, keys: list[CacheKey]) -> None:
+        self._state.drop(instance, tier, keys)
 
     def best_instances(
         self,

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.exceptions import ActorDiedError
 
 from raykv.actors.common import actor_options, named_actor, resolve_batch
 from raykv.keys import CacheKey
@@ -134,7 +135,12 @@ class RayServerBackend:
     def __init__(self, url: str, config: Any, timeout_s: float) -> None:
         self.masked_url = url
         self.name = url[len("ray://") :]
-        self._server = get_or_create_kv_server(
+        self._config = config
+        self._server = self._find()
+
+    def _find(self) -> Any:
+        config = self._config
+        return get_or_create_kv_server(
             self.name,
             config,
             node_id=config.kv_server_node_id,
@@ -185,7 +191,15 @@ class RayServerBackend:
         return out
 
     async def server_id(self) -> str:
-        return await self._server.incarnation.remote()
+        """The server's incarnation. A server that died for good (killed, or its node
+        lost under a hard placement) is found or created again here, off the loop: its
+        new incarnation tells every manager to resync (the periodic health check asks
+        this), and the calls that follow reach the new server."""
+        try:
+            return await self._server.incarnation.remote()
+        except ActorDiedError:
+            self._server = await asyncio.to_thread(self._find)
+            return await self._server.incarnation.remote()
 
     async def close(self) -> None:
         return None

@@ -605,8 +605,10 @@ class ManagerCore:
             got = self._extend(result, keys[a:b], ack, kind(tier))
             if got < b - a:
                 if kind(tier) == TIER_PEER and self._index.up(TIER_REMOTE):
-                    ack = await self._t.pull(TIER_REMOTE, keys[a + got :], None)
-                    self._extend(result, keys[a + got :], ack, TIER_REMOTE)
+                    gap = keys[a + got : b]  # what follows it was pulled from the remote
+                    ack = await self._t.pull(TIER_REMOTE, gap, None)
+                    if self._extend(result, gap, ack, TIER_REMOTE) == len(gap):
+                        continue
                 return
 
     @staticmethod

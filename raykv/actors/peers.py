@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from raykv.actors.common import check_actor_class
 from raykv.actors.controller import (
@@ -27,13 +28,17 @@ from raykv.actors.controller import (
 )
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
+from raykv.tiers.breaker import Breaker
 from raykv.tiers.cpu import payload_problems
-from raykv.wire import ChunkRef, CPUAck, PeerTier
+from raykv.wire import TIER_CPU, ChunkRef, CPUAck, PeerTier
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECS = 10.0  # bound on a call to a controller that may be restarting
 HEARTBEAT_SECS = 1.0  # a report (maybe empty) goes out at least this often
+# A controller killed for good is looked up (re-created) again after this back-off,
+# doubling up to the maximum while it fails.
+RECONNECT_MIN_SECS, RECONNECT_MAX_SECS = 1.0, 30.0
 
 
 class ControllerLink:
@@ -58,17 +63,30 @@ class ControllerLink:
         self._info = {"manager": manager, "node_id": node_id}
         self._timeout = locate_timeout_s
         self._controller = get_or_create_controller(namespace)
+        # A controller that fails or times out costs one lookup a wait, not every lookup.
+        self._breaker = Breaker(f"the raykv controller in {namespace!r}")
+        self._reconnect_s = RECONNECT_MIN_SECS
 
     async def locate(self, keys: list[CacheKey]) -> tuple[PeerTier, int] | None:
         """(the peer, chunks) of the peer holding the longest prefix of `keys` in
-        its CPU tier, per the controller; None if none (or the controller is away)."""
+        its CPU tier, per the controller; None if none (or the controller is away: then
+        the lookups behind the first one miss at once, until a trial call answers)."""
+        trial = self._breaker.admit()
+        if trial is None:
+            return None
         try:
             found = await asyncio.wait_for(
                 self._controller.locate.remote(keys, [self.instance]), self._timeout
             )
+        except asyncio.CancelledError:
+            self._breaker.cancel(trial)
+            raise
         except Exception as exc:
-            logger.debug("controller locate failed: %s", exc)
+            if self._breaker.settle(trial, exc):
+                logger.warning("the raykv controller failed (%r); peers skipped a while", exc)
             return None
+        if self._breaker.settle(trial):
+            logger.info("the raykv controller answers again")
         if not found:
             return None
         instance, name, n = found
@@ -91,13 +109,19 @@ class ControllerLink:
         return check_actor_class(peer, StorageManager, name, self.namespace)
 
     def lost(self, name: str) -> None:
-        """A peer served none of what the controller listed (dead, or the listing was
-        stale): drop our handle and let the controller forget it; a live peer is rebuilt
-        from its next heartbeat, which then asks for a resync."""
+        """The peer `name` is dead: drop our handle and let the controller forget it
+        (a peer that comes back is rebuilt from its next heartbeat's resync)."""
         self.peers.pop(name, None)
         instance = self._instances.pop(name, None)
         if instance is not None:
             self._controller.forget.remote(instance)
+
+    def stale(self, name: str, keys: list[CacheKey]) -> None:
+        """The live peer `name` did not hold `keys`, which the controller listed (it
+        evicted them since its last report): the controller drops those listings only."""
+        instance = self._instances.get(name)
+        if instance is not None and keys:
+            self._controller.drop.remote(instance, TIER_CPU, keys)
 
     async def report_loop(self, snapshot: Callable[[], dict[str, list[CacheKey]]]) -> None:
         """Flush admit/evict batches to the controller; resync when it asks (lost batch,
@@ -113,6 +137,7 @@ class ControllerLink:
                     ref = self._controller.resync.remote(self.instance, seq, snapshot(), self._info)
                     await asyncio.wait_for(ref, CONTROL_TIMEOUT_SECS)
                     last_full = last_sent = now
+                    self._reconnect_s = RECONNECT_MIN_SECS
                     continue
                 if not rep.pending and now - last_sent < HEARTBEAT_SECS:
                     continue
@@ -127,9 +152,26 @@ class ControllerLink:
                     if not rep.full():
                         break
                 last_sent = now
+                self._reconnect_s = RECONNECT_MIN_SECS
+            except ActorDiedError as exc:  # killed for good: a restart would not say so
+                rep.lost()
+                await self._reconnect(exc)
             except Exception as exc:
                 logger.debug("controller report failed (%s); will resync", exc)
                 rep.lost()
+
+    async def _reconnect(self, exc: BaseException) -> None:
+        """Find (or create) the controller again after a back-off: one that died for
+        good left every call failing at once, and this loop resyncing in a hot loop."""
+        logger.warning(
+            "the raykv controller died (%r); looking it up again in %.0f s", exc, self._reconnect_s
+        )
+        await asyncio.sleep(self._reconnect_s)
+        self._reconnect_s = min(RECONNECT_MAX_SECS, 2 * self._reconnect_s)
+        try:  # off the loop: the GCS answers
+            self._controller = await asyncio.to_thread(get_or_create_controller, self.namespace)
+        except Exception as err:
+            logger.debug("the raykv controller cannot be created yet: %r", err)
 
 
 async def read_peer(peer: Any, keys: list[CacheKey]) -> tuple[CPUAck, list[PayloadMeta]]:

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from raykv import metrics
 from raykv.actors.common import HandoutHold
@@ -324,7 +324,8 @@ class TierSet:
         the CPU store copies the chunks into objects of its own afterwards (`adopt`, whose
         ack enters the index; a flush waits for it, like a background write). A read that
         failed or timed out misses every key; a peer that served nothing of what the
-        controller listed is dropped (`ControllerLink.lost`)."""
+        controller listed: a dead peer is forgotten (`ControllerLink.lost`), the chunks a
+        live one no longer holds are unlisted (`ControllerLink.stale`)."""
         peer = self.peers.get(name)
         if peer is None:
             return None
@@ -334,9 +335,11 @@ class TierSet:
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
                 self.index.counts["pull_timeouts"] += 1
             logger.warning("read of %d chunks from peer %s failed: %r", len(keys), name, exc)
-            ack, metas = CPUAck("", missing=list(keys)), []
+            if isinstance(exc, RayActorError):  # a slow or failed read is no stale listing
+                self.link.lost(name)
+            return CPUAck("", missing=list(keys))
+        self.link.stale(name, ack.missing)
         if len(ack.missing) == len(keys):
-            self.link.lost(name)
             return ack
         cpu = self.cpu
         if cpu is not None:

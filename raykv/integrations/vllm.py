@@ -50,8 +50,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
   pinned slabs and a device buffer of at most 256 MiB, after the compute work queued
   when it was asked for (vLLM may still zero or use its blocks), on a load stream
   waited for by the loader thread (in-step: on its own stream, waited for by the
-  compute stream, never behind an async load); a save gathers on a save stream into pinned buffers, the compute
-  stream waits only for that gather, and the saver thread waits for the copy's event.
+  compute stream, never behind an async load); a save gathers on a save stream into
+  pinned buffers, the compute stream waits only for that gather, and the saver thread
+  waits for the copy's event.
   These copies and their stream order ran on an H100 (tests/unit/test_page_connector.py,
   docs/BENCHMARKS.md); the connector inside a CUDA vLLM engine has not run yet.
 

@@ -318,6 +318,38 @@ def test_kv_server_owns_what_it_stores_after_the_producer_dies(tmp_path: Path) -
         ray.kill(server)
 
 
+def test_a_kv_server_killed_for_good_is_created_again_under_a_new_incarnation() -> None:
+    """The remote tier kept calling a dead server's handle and reported the old
+    incarnation, so no manager resynced: every remote call failed until a restart. Its
+    health check (`incarnation`) now finds or creates the server again."""
+    name = f"kv-dead-{uuid.uuid4().hex[:8]}"
+    cfg = config(remote_url=f"ray://{name}", max_remote_size=CAPACITY_GB)
+    ray.get(get_or_create_kv_server(name, cfg).incarnation.remote())
+    handle = RemoteStoreActor.remote(cfg)
+    try:
+        before = ray.get(handle.incarnation.remote())
+        put(handle, [1])
+        ray.kill(ray.get_actor(name, namespace=TEST_NAMESPACE), no_restart=True)
+        deadline, now = time.monotonic() + 60, before
+        while now == before and time.monotonic() < deadline:
+            time.sleep(0.2)  # the breaker may skip a few checks after the failure
+            now = ray.get(handle.incarnation.remote())
+        assert now != before and now.split(":")[0] == before.split(":")[0]
+        deadline = time.monotonic() + 30
+        while not put(handle, [2], wait=False).accepted:  # the breaker's back-off
+            assert time.monotonic() < deadline, "the new server never took a put"
+            time.sleep(0.2)
+        wait_visible(handle, [key(2)])
+        assert_hits(handle, [2])
+        assert get(handle, [1])[0] == [None]  # what the dead server held died with it
+    finally:
+        ray.kill(handle)
+        try:
+            ray.kill(ray.get_actor(name, namespace=TEST_NAMESPACE))
+        except ValueError:
+            pass
+
+
 @ray.remote(num_cpus=0)
 def _slow_batch(seconds: float, ids: list[int]) -> list[np.ndarray]:
     time.sleep(seconds)

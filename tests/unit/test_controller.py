@@ -125,3 +125,14 @@ def test_an_instance_silent_for_a_few_resync_periods_is_forgotten():
     assert s.info("gone") == {}
     assert s.instances() == ["alive"] and s.best_instances(keys(2, "x"))[0][0] == "alive"
     assert s.report("gone", 1, {}, {})  # if it comes back, it is asked to resync
+
+
+def test_drop_unlists_the_keys_of_one_instance_and_tier_only():
+    st = ControllerState()
+    a, b, c = keys(3)
+    st.resync("i1", 0, {"cpu": [a, b, c], "disk": [a]})
+    st.resync("i2", 0, {"cpu": [a]})
+    st.drop("i1", "cpu", [a, b])
+    assert st.best_instances([a], tiers=("cpu",)) == [("i2", 1)]
+    assert st.best_instances([a], tiers=("disk",)) == [("i1", 1)]
+    assert st.best_instances([c], tiers=("cpu",)) == [("i1", 1)]

@@ -314,3 +314,41 @@ def test_a_start_up_that_raised_is_not_started_and_runs_again(disk_only):
         return first, core.started
 
     assert run(scenario) == ((False, True), True)
+
+
+def test_a_peer_that_comes_back_short_has_only_its_gap_read_from_the_remote(disk_only):
+    """A get's segments [peer a..b), [remote b..n) are pulled at once; when the peer
+    serves less, only its gap is asked of the remote (what follows came already), and
+    the get goes on with the remote segment's chunks."""
+    from raykv.wire import TIER_REMOTE, CPUAck, PeerTier
+
+    keys = [s.key for s in KeyMaker.from_config(disk_only).keys(list(range(5 * C)))]
+    pulls: list[tuple[str, list]] = []
+
+    async def pull(tier: Any, wanted: list, _why: Any) -> CPUAck:
+        pulls.append((str(tier), list(wanted)))
+        served = wanted[:1] if isinstance(tier, PeerTier) else wanted
+        return CPUAck("", refs={k: f"chunk-{keys.index(k)}" for k in served})
+
+    async def scenario() -> RetrieveResult:
+        core = ManagerCore(disk_only)
+
+        async def locate(wanted: list) -> tuple[PeerTier, int]:
+            return PeerTier("mgr-b"), 2
+
+        core._link = type("Link", (), {"locate": staticmethod(locate)})()
+        core._peer_tier_on = lambda: True
+        core._index.up = lambda tier: tier == TIER_REMOTE
+        core._t.pull = pull
+        result = RetrieveResult()
+        await core._get_lower(keys, 1, result)
+        return result
+
+    result = run(scenario)
+    assert pulls == [
+        ("peer:mgr-b", keys[1:3]),
+        (TIER_REMOTE, keys[3:]),
+        (TIER_REMOTE, keys[2:3]),  # the peer's gap, not keys[2:] again
+    ]
+    assert result.chunks == [f"chunk-{i}" for i in range(1, 5)]
+    assert result.tiers == ["peer", "remote", "remote", "remote"]
