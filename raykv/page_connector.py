@@ -8,17 +8,22 @@ On CUDA the batched calls never make the engine's thread wait for the device:
   (torch's caching host allocator: pinned once, reused once its copies are done), each
   sent to the device while the next is packed, and scattered into the blocks there
   through a device buffer of at most `LOAD_DEVICE_BYTES` (a load of a long prefix takes
-  no device memory of its own size beside vLLM's pool); the returned event says when the blocks hold
-  them (a loader thread waits on it, a synchronous load makes the compute stream wait
-  on it). A load starts on the device only after the compute work queued when it was
-  asked for (a block vLLM hands a load may still be read, written or zeroed by kernels
-  of earlier steps). Async loads run on one load stream, in-step loads on their own,
-  so a forward never waits behind another request's async copy.
-* `save_batch`: a save stream waits for the compute stream's work so far, gathers the
-  step's blocks on the device, and copies them into the caller's pinned buffers; the
-  compute stream waits only for the on-device gather (the blocks may be reused in the
-  next step), and the returned event says when the host bytes are there (the saver
-  thread waits on it before it hands them to the cache).
+  no device memory of its own size beside vLLM's pool); the returned event says when
+  the blocks hold them (a loader thread waits on it, a synchronous load makes the
+  compute stream wait on it). A load starts on the device only after the compute work
+  queued when it was asked for (a block vLLM hands a load may still be read, written
+  or zeroed by kernels of earlier steps). Async loads run on one load stream, in-step
+  loads on their own, so a forward never waits behind another request's async copy.
+  A load that fails part-way leaves nothing writing behind the caller's back.
+* `save_batch`: a save stream waits for the compute stream's work so far and gathers
+  the step's blocks on the device; a copy stream then copies them into the caller's
+  pinned buffers. The compute stream waits only for the gather (the blocks may be
+  reused in the next step), never for a copy out, and the returned event says when the
+  host bytes are there (the saver thread waits on it before it hands them to the cache).
+
+The streams' buffers stay in torch's caching allocator, per stream, outside vLLM's
+memory profile: about `LOAD_DEVICE_BYTES` + `LOAD_SLAB_BYTES` for each load stream and
+the largest step's save (its gathered blocks) for the save stream.
 
 Written against torch's CUDA API and unit-tested where a CUDA device is present
 (tests/unit/test_page_connector.py); on CPU both run the plain copies.
@@ -110,7 +115,8 @@ class PageConnector:
         if self.batched:
             self._load_stream = torch.cuda.Stream(self.device)  # async loads
             self._step_stream = torch.cuda.Stream(self.device)  # in-step loads
-            self._save_stream = torch.cuda.Stream(self.device)
+            self._save_stream = torch.cuda.Stream(self.device)  # saves' gathers
+            self._copy_stream = torch.cuda.Stream(self.device)  # saves' device->host copies
 
     def meta(self, num_blocks: int) -> PayloadMeta:
         """The metadata of a payload of `num_blocks` blocks of every layer."""
@@ -223,14 +229,23 @@ class PageConnector:
         stream.wait_stream(compute)  # the forward that wrote these blocks comes first
         with torch.cuda.stream(stream):
             didx = idx.pin_memory().to(self.device, non_blocking=True)
-            gathered = torch.stack([layer.index_select(0, didx) for layer in self.layers])
+            shape = (len(self.layers), len(idx), *self.block_shape)
+            gathered = torch.empty(shape, dtype=self.dtype, device=self.device)
+            for i, layer in enumerate(self.layers):
+                torch.index_select(layer, 0, didx, out=gathered[i])
             gathered_event = stream.record_event()
+        # The copies out run on a stream of their own: the next step's gather (which the
+        # compute stream waits for) never queues behind this step's copies.
+        copy = self._copy_stream
+        copy.wait_event(gathered_event)
+        gathered.record_stream(copy)  # not reused by the next gather until copied out
+        with torch.cuda.stream(copy):
             at = 0
             for n, meta, out in zip(sizes, metas, outs, strict=True):
                 host = torch.from_numpy(out).view(self.dtype).reshape(meta.shape)
                 host.copy_(gathered[:, at : at + n], non_blocking=True)
                 at += n
-            copied = stream.record_event()
+            copied = copy.record_event()
         compute.wait_event(gathered_event)  # later kernels may overwrite the blocks after it
         return metas, copied
 
@@ -264,7 +279,15 @@ class PageConnector:
             else:
                 stream = self._load_stream
                 stream.wait_event(after)
-            return self._load_on_device(checked, stream)
+            try:
+                return self._load_on_device(checked, stream, ahead=after is not None)
+            except BaseException:
+                # Rounds already queued still write blocks: nothing may read or reuse them
+                # before that (the caller reports the load failed once this returns).
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                if after is not None:  # a loader thread: its caller may free the blocks
+                    stream.synchronize()
+                raise
 
     def compute_event(self) -> Any:
         """An event after the work queued on the calling thread's current stream: what an
@@ -273,9 +296,16 @@ class PageConnector:
             return DONE
         return torch.cuda.current_stream(self.device).record_event()
 
-    def _load_on_device(self, checked: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> Any:
+    def _load_on_device(
+        self, checked: list[tuple[torch.Tensor, torch.Tensor]], stream: Any, ahead: bool
+    ) -> Any:
+        """The rounds of `load_batch` on `stream`. With `ahead` (a loader thread, which
+        may wait), the host packs at most two slabs ahead of the copies: a load waiting
+        for the compute stream would otherwise pin a new staging buffer for every slab
+        (the caching host allocator reuses one only once its copy ran)."""
         num_layers = len(self.layers)
         row = self.block_nbytes // num_layers
+        copies: list[Any] = []  # the events of the slabs' copies, while `ahead`
         # Rounds of up to LOAD_DEVICE_BYTES through one device buffer, each in slabs: the
         # host packs slab k+1 into pinned memory while slab k crosses the bus. A round's
         # buffer is freed to `stream` once scattered and the next round's reuses it (the
@@ -289,6 +319,8 @@ class PageConnector:
             at = 0
             for group in _slabs(rnd, LOAD_SLAB_BYTES // self.block_nbytes):
                 n = sum(len(idx) for _src, idx in group)
+                if len(copies) >= 2:
+                    copies.pop(0).synchronize()
                 staging = torch.empty((num_layers, n, row), dtype=torch.uint8, pin_memory=True)
                 k = 0
                 for src, idx in group:
@@ -298,7 +330,9 @@ class PageConnector:
                     k += m
                 with torch.cuda.stream(stream):  # the caching host allocator keeps
                     dev[:, at : at + n].copy_(staging, non_blocking=True)  # `staging` until
-                at += n  # this copy ran
+                    if ahead:  # this copy ran
+                        copies.append(stream.record_event())
+                at += n
             with torch.cuda.stream(stream):
                 for i, layer in enumerate(self.layers):
                     pages = dev[i].view(self.dtype).reshape(total, *self.block_shape)

@@ -7,6 +7,8 @@ object store hands out), CUDA caches when present, and the `PAGES` layout in the
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -363,30 +365,92 @@ def test_a_load_in_many_slabs_writes_every_part(monkeypatch, device_bytes):
 def test_an_async_load_waits_for_the_compute_work_queued_when_it_was_asked_for():
     """A block vLLM hands a load may still be written by kernels of earlier steps (a
     freed block's last forward, its zeroing): the copy must land after them, or they
-    overwrite it. An async load follows the event recorded when it was asked for, even
-    from a loader thread whose own stream knows nothing of the engine's. (The in-step
-    order is tested end to end in test_vllm_worker_device.py: here, on an H100, the
-    in-step form passed even without its wait, so it proved nothing.)"""
+    overwrite it. An async load follows the event recorded on the engine's stream when
+    it was asked for, even from a loader thread, whose own current stream (the default
+    one) knows nothing of the engine's: vLLM's engine thread runs on a stream of its own,
+    as here; the loader's submit does not wait for that event on the host. (On an H100
+    this test also passed with the wait on `after` removed, for a reason not found: the
+    copy still came after the engine's work. The worker-side test in
+    test_vllm_worker_device.py caught that mutant, and the in-step one.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     src = make_cache(torch.bfloat16, seed=61)
     [(buf, meta)] = payloads_of(PageConnector(src), [[2, 5]])
     dst = cuda_cache(62)
     conn = PageConnector(dst)
-    # Warm up: a first pinned allocation (cudaHostAlloc) can make the host wait for the
-    # device; an engine's loads reuse cached pinned memory.
-    conn.load_batch([(buf, meta, [6, 1], 0)]).synchronize()
-    blocks = torch.tensor([6, 1], device="cuda")  # (a host list would make the host wait)
-    torch.cuda._sleep(STALL)  # an earlier step's work, still running ...
-    for layer in dst:
-        layer.index_fill_(0, blocks, 0)  # ... that zeroes the blocks the load is handed
-    assert not torch.cuda.current_stream().query()  # the host did not wait for it
-    after = conn.compute_event()  # on the engine's thread, when the load is asked for
-    with ThreadPoolExecutor(1) as loader:
-        loader.submit(lambda: conn.load_batch([(buf, meta, [6, 1], 0)], after).synchronize())
-    torch.cuda.synchronize()
+    engine = torch.cuda.Stream()
+    engine.wait_stream(torch.cuda.current_stream())
+    with ThreadPoolExecutor(1) as loader, torch.cuda.stream(engine):
+
+        def load(after: Any) -> bool:  # the loader thread: submit, see, then wait
+            written = conn.load_batch([(buf, meta, [6, 1], 0)], after)
+            waiting = not after.query()
+            written.synchronize()
+            return waiting
+
+        # Warm up the load stream's memory and pinned staging (a first allocation can
+        # make the host wait for the device; an engine's loads reuse cached memory).
+        loader.submit(load, conn.compute_event()).result()
+        blocks = torch.tensor([6, 1], device="cuda")  # (a host list would make the host wait)
+        torch.cuda._sleep(STALL)  # an earlier step's work, still running ...
+        for layer in dst:
+            layer.index_fill_(0, blocks, 0)  # ... that zeroes the blocks the load is handed
+        assert not engine.query()  # the host did not wait for it
+        after = conn.compute_event()  # on the engine's thread, when the load is asked for
+        assert loader.submit(load, after).result()  # the copy was queued behind it
+        seen = [layer[[6, 1]].cpu() for layer in dst]  # after the engine's work
     for i in range(NUM_LAYERS):
-        assert same_bits(dst[i][[6, 1]].cpu(), src[i][[2, 5]])
+        assert same_bits(seen[i], src[i][[2, 5]])
+
+
+@cuda_only
+def test_a_load_that_fails_part_way_leaves_no_copy_running(monkeypatch):
+    """A load whose second round fails (pinned or device memory exhausted) returns
+    with the first round's copies queued: the loader reports the load failed and vLLM
+    may free and reuse its blocks, so those copies must have run by then."""
+    src = make_cache(torch.bfloat16, seed=65)
+    parts = payloads_of(PageConnector(src), [[1, 2], [3, 4]])
+    conn = PageConnector(cuda_cache(66))
+    monkeypatch.setattr(page_connector, "LOAD_DEVICE_BYTES", 2 * conn.block_nbytes)
+    real, calls = page_connector._slabs, []
+
+    def slabs(*args: Any) -> Any:  # rounds, round 1's slabs, then round 2 fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(*args)
+
+    monkeypatch.setattr(page_connector, "_slabs", slabs)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(STALL)  # the async load's event comes after a long forward
+        after = side.record_event()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        conn.load_batch([(*parts[0], [0, 5], 0), (*parts[1], [6, 7], 0)], after)
+    assert conn._load_stream.query()  # round 1 written before the failure was raised
+    for i in range(NUM_LAYERS):
+        assert same_bits(conn.layers[i][[0, 5]].cpu(), src[i][[1, 2]])
+
+
+@cuda_only
+def test_a_save_never_makes_the_forward_wait_for_an_earlier_saves_copies():
+    """The compute stream waits for a save's gather on the device (the blocks may be
+    reused after it), never for the copies out to host memory, its own or the last
+    step's: those run on a stream of their own."""
+    layers = cuda_cache(67)
+    want = snapshot(layers)
+    conn = PageConnector(layers)
+    outs = [torch.empty(conn.meta(2).nbytes, dtype=torch.uint8, pin_memory=True).numpy()]
+    conn.save_batch([1, 2], [2], outs)[1].synchronize()  # warm up the streams' memory
+    with torch.cuda.stream(conn._copy_stream):
+        torch.cuda._sleep(STALL)  # the last step's copies out, still running
+    metas, copied = conn.save_batch([4, 0], [2], outs)
+    torch.cuda.current_stream().record_event().synchronize()  # the next forward's turn
+    assert not copied.query()  # it came while the copies out still wait
+    copied.synchronize()
+    got = torch.from_numpy(outs[0]).view(torch.bfloat16).reshape(metas[0].shape)
+    for i in range(NUM_LAYERS):
+        assert same_bits(got[i], want[i][[4, 0]])
 
 
 @cuda_only

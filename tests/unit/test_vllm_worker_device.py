@@ -13,6 +13,7 @@ base class is a plain class.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
@@ -252,17 +253,24 @@ def test_a_load_lands_after_the_earlier_steps_writes_to_its_blocks(worker, sync)
     want = save_a_step(w, layers, device)
     target = [10, 11, 20, 13]
     blocks = torch.tensor(target, device=device)  # (from a list the host would wait)
-    hold_the_device(device)
-    for layer in layers:
-        layer.index_fill_(0, blocks, 0)  # an earlier step's
-    if device == "cuda":
-        assert not torch.cuda.current_stream().query()  # still queued when the load starts
-    w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=sync)])
-    w.handle_preemptions(w._get_connector_metadata())
-    w.start_load_kv(None)
-    if not sync:
-        assert wait_reported(w, "q") == {"q"}
-    assert blocks_bytes(layers, target) == want  # read on the compute stream, after both
+    engine = contextlib.nullcontext()
+    if device == "cuda":  # vLLM's engine thread runs on a stream of its own; the loader
+        stream = torch.cuda.Stream()  # thread's current stream is the default one
+        stream.wait_stream(torch.cuda.current_stream())
+        engine = torch.cuda.stream(stream)
+    with engine:
+        hold_the_device(device)
+        for layer in layers:
+            layer.index_fill_(0, blocks, 0)  # an earlier step's
+        if device == "cuda":
+            assert not torch.cuda.current_stream().query()  # queued when the load starts
+        w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=sync)])
+        w.handle_preemptions(w._get_connector_metadata())
+        w.start_load_kv(None)
+        if not sync:
+            assert wait_reported(w, "q") == {"q"}
+        got = blocks_bytes(layers, target)  # read on the engine's stream, after both
+    assert got == want
 
 
 def test_an_async_load_starts_once_and_on_cpu_before_the_forward(worker):
