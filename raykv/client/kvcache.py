@@ -15,7 +15,6 @@ raises `raykv.errors.InvalidInputError` naming what was expected.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import time
@@ -33,6 +32,7 @@ from raykv.client.layout import KVLayout, KVSource, KVTarget
 from raykv.client.pins import PinBook
 from raykv.client.probe import ServerProbe
 from raykv.client.readcache import ReadCache, object_id
+from raykv.client.reads import BY_ID, BY_REF, CHECKED, check_spans, chunks_within, get_call, is_true
 from raykv.client.staging import Stager, copy_buffers
 from raykv.config import RayKVConfig
 from raykv.errors import ConfigError, InvalidInputError, RayKVError, check_timeout
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_SECS = 120.0
 # Slack on top of the manager's own bound for a put that may wait for room.
 _PUT_SLACK_SECS = 30.0
+# A wait or fetch without a timeout waits this many lookup time-outs for the manager.
+_UNBOUNDED_WAITS = 10
 
 
 class KVCache:
@@ -166,6 +168,14 @@ class KVCache:
     def _lookup_timeout(self) -> float:
         return self.config.lookup_timeout_ms / 1000.0
 
+    def _outer(self, timeout: float | None) -> float:
+        """How long this client waits for a manager call given `timeout`: that and a
+        lookup time-out; without one, `_UNBOUNDED_WAITS` lookup time-outs (a prefetch's
+        pulls are bounded in the manager: a manager that does not answer is a miss)."""
+        if timeout is None:
+            return self._lookup_timeout * _UNBOUNDED_WAITS
+        return timeout + self._lookup_timeout
+
     # ----- public API -----
 
     def store(
@@ -270,12 +280,12 @@ class KVCache:
         if hit >= spans[-1].end:
             probe.drop(sent)
             return hit  # the server's answer is not needed
-        start = _chunks_within(spans, hit, self.config.chunk_size)  # chunks held locally
+        start = chunks_within(spans, hit, self.config.chunk_size)  # chunks held locally
         left = self._lookup_timeout - (time.monotonic() - t0)
         # A probe that could not be sent costs the server's hits of this lookup (and backs
         # off: the next ones ask the manager).
         found = None if sent is None else probe.answer(sent, len(spans), left)
-        more = leading(found, start, _is_true) - start if found is not None else 0
+        more = leading(found, start, is_true) - start if found is not None else 0
         # The manager indexes the server's chunks and counts the lookup; nobody waits.
         note = self._manager.note_remote
         probe.notes.submit(lambda: note.remote(packed, start, more, found is None))  # type: ignore[union-attr]
@@ -299,6 +309,7 @@ class KVCache:
         """`prefetch` of chunks keyed already (`spans`, `hashed_spans`), under `lookup_id`
         if given: its `wait` says how many prefix tokens are pinned in CPU, its
         `get_chunks` (or `unpin`) releases them."""
+        check_spans(spans)
         self._settle()
         lookup_id = lookup_id or uuid.uuid4().hex
         if spans and not self._closed:
@@ -311,8 +322,7 @@ class KVCache:
     def wait(self, lookup_id: str, timeout: float | None = None) -> int:
         """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
         check_timeout(timeout)
-        outer = None if timeout is None else timeout + self._lookup_timeout
-        return int(self._call("wait", lookup_id, timeout, timeout=outer, default=0))
+        return int(self._call("wait", lookup_id, timeout, timeout=self._outer(timeout), default=0))
 
     def wait_sources(
         self, lookup_id: str, timeout: float | None = None
@@ -321,7 +331,7 @@ class KVCache:
         `[(tier kind, prefix tokens up to the end of that tier's run), ...]` in prefix
         order (kinds: "cpu", "disk", "remote", "peer"). A fault answers `(0, [])`."""
         check_timeout(timeout)
-        outer = None if timeout is None else timeout + self._lookup_timeout
+        outer = self._outer(timeout)
         reply = self._call("wait", lookup_id, timeout, True, timeout=outer, default=(0, []))
         n, sources = reply
         return int(n), [(str(k), int(end)) for k, end in sources]
@@ -339,10 +349,11 @@ class KVCache:
         chunks, of which the first held right after the whole chunks found extends the
         prefix (`save_unfull_chunk`)."""
         check_timeout(timeout)
+        check_spans(spans)
         if not spans and (tails is None or not tails.starts):
             return 0, []
-        self._settle()
-        outer = None if timeout is None else timeout + self._lookup_timeout
+        self._settle(timeout)
+        outer = self._outer(timeout)
         args: tuple = (lookup_id, self._packed(spans), timeout)
         if tails is not None and tails.starts:
             args += (None, tails.wire())
@@ -462,6 +473,8 @@ class KVCache:
         this client's own pinned lookup of the same prefix). A fault is a shorter prefix;
         so is a read that `timeout` seconds (if given) do not cover, and it is not retried.
         """
+        check_spans(spans)
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         chunks, tiers, _ = self._get_chunks(spans, lookup_id, deadline)
         return chunks, tiers
@@ -475,7 +488,7 @@ class KVCache:
             if lookup_id is not None:
                 self.unpin(lookup_id, wait=False)
             return [], [], None
-        self._settle()
+        self._settle(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if lookup_id is None:
             lookup_id = self._pins.take(spans)
         else:
@@ -483,9 +496,9 @@ class KVCache:
         packed = self._packed(spans)
         reads = self._reads
         keys = [s.key for s in spans] if reads is not None else []
-        attempt = _BY_ID if reads is not None and reads.covers(keys) else _BY_REF
+        attempt = BY_ID if reads is not None and reads.covers(keys) else BY_REF
         while attempt is not None:
-            method, args = _get_call(attempt, packed, lookup_id)
+            method, args = get_call(attempt, packed, lookup_id)
             reply = self._call(method, *args, timeout=self._left(deadline), default=None)
             result = None if reply is None else RetrieveResult.of(reply)
             if result is None or not result.chunks:
@@ -515,9 +528,9 @@ class KVCache:
         self, attempt: str, refs: list[Any], timeout: float | None = None
     ) -> tuple[list[Any] | None, str | None]:
         """The values of `refs` for this attempt, or (None, the next attempt to make)."""
-        if attempt == _BY_ID:
+        if attempt == BY_ID:
             got = self._reads.held(refs)  # type: ignore[union-attr]
-            return (got, attempt) if got is not None else (None, _BY_REF)
+            return (got, attempt) if got is not None else (None, BY_REF)
         try:
             return self._read(refs, timeout), attempt
         except GetTimeoutError:  # a slow object store, not a restarted CPU store
@@ -527,7 +540,7 @@ class KVCache:
             # The CPUStore restarted since the manager indexed these refs: ask again, with
             # the manager checking which chunks the CPU store still holds.
             logger.warning("raykv chunk read failed (%s); retrying once", type(exc).__name__)
-            return None, (_CHECKED if attempt == _BY_REF else None)
+            return None, (CHECKED if attempt == BY_REF else None)
 
     def _read(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
         """The values of the batch objects `refs` (from the read cache where held)."""
@@ -549,6 +562,7 @@ class KVCache:
         payloads are flat `uint8` arrays, stored as they are, in one `ray.put` and one
         manager call. The first put of a key wins.
         """
+        check_spans(spans)
         if not (len(spans) == len(buffers) == len(metas)):
             raise InvalidInputError(
                 f"got {len(spans)} spans, {len(buffers)} buffers and {len(metas)} metas; "
@@ -706,8 +720,8 @@ class KVCache:
             self._reads.clear()
         if self._probe is not None:
             self._probe.notes.close(self._lookup_timeout)
-        for lookup_id in self._pins:
-            self.unpin(lookup_id)
+        for lookup_id in self._pins:  # sent, not waited for: one per pin
+            self.unpin(lookup_id, wait=False)
         self._pins.clear()
         self._closed = True
 
@@ -716,38 +730,6 @@ class KVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# The attempts of a get, in order. BY_ID: the read cache holds every chunk's batch, so
-# the manager names them by id (no refs to register). BY_REF: refs, read with ray.get
-# (after BY_ID found a batch gone from the read cache). CHECKED: refs again after a read
-# failed, the manager first asking the CPU store which chunks it still holds.
-_BY_ID, _BY_REF, _CHECKED = "by-id", "by-ref", "checked"
-
-
-def _get_call(attempt: str, packed: Any, lookup_id: str | None) -> tuple[str, tuple]:
-    """The manager method and arguments of one attempt (arguments left at their defaults
-    are not sent)."""
-    if attempt == _BY_ID and lookup_id is None:
-        return "get_held", (packed,)  # one argument: Ray sends each apart
-    if attempt == _BY_ID:
-        return "get", (packed, lookup_id, False, True)
-    if attempt == _BY_REF and lookup_id is None:
-        return "get", (packed,)
-    return "get", (packed, lookup_id, attempt == _CHECKED)
-
-
-def _is_true(found: object) -> bool:
-    return found is True  # a probe's answer: True, False or None (unknown)
-
-
-def _chunks_within(spans: list[ChunkSpan], hit: int, chunk_size: int) -> int:
-    """How many leading `spans` end within `hit` tokens (spans of whole chunks from token
-    0 need no search)."""
-    k = hit // chunk_size
-    if k <= len(spans) and (spans[k - 1].end if k else 0) == hit:
-        return k
-    return bisect.bisect_right([s.end for s in spans], hit)
 
 
 def attach_ray(address: str | None = None) -> None:

@@ -139,8 +139,9 @@ class KVLayout:
             if out is None:  # torch views cost ~0.1 ms on cold caches: one per place
                 if len(views) >= _RING_VIEWS:
                     views.clear()
-                out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
-                out = views[(at + off, n)] = out.view(meta.shape)
+                with torch.inference_mode(False):  # reusable in and out of that mode
+                    out = torch.from_numpy(region[off : off + meta.nbytes]).view(self._dtype)
+                    out = views[(at + off, n)] = out.view(meta.shape)
             if not whole:
                 src = kv[j]
             elif span.start == 0 and n == kv.shape[2]:

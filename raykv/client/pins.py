@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
@@ -18,33 +19,40 @@ class PinBook:
     A retrieve without an id releases the oldest lookup whose last chunk is in its spans
     (two requests sharing a prefix each hold their own pin; each retrieve releases
     exactly one). A caller-named lookup is the caller's to retrieve or unpin: it is never
-    in the book.
+    in the book. Thread-safe: one client serves many threads.
     """
 
     def __init__(self, limit: int = MAX_OPEN_PINS) -> None:
         self._limit = limit
         self._pins: OrderedDict[str, CacheKey] = OrderedDict()
         self._by_key: dict[CacheKey, deque[str]] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._pins)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._pins))
+        with self._lock:
+            return iter(list(self._pins))
 
     def open(self, lookup_id: str, key: CacheKey) -> list[str]:
         """Remember `lookup_id`, found later by its last hit chunk `key`; returns the
         oldest lookups past the limit, forgotten here, for the caller to unpin."""
-        self._pins[lookup_id] = key
-        self._by_key.setdefault(key, deque()).append(lookup_id)
-        over = []
-        while len(self._pins) > self._limit:
-            oldest = next(iter(self._pins))
-            self.forget(oldest)
-            over.append(oldest)
-        return over
+        with self._lock:
+            self._pins[lookup_id] = key
+            self._by_key.setdefault(key, deque()).append(lookup_id)
+            over = []
+            while len(self._pins) > self._limit:
+                oldest = next(iter(self._pins))
+                self._forget(oldest)
+                over.append(oldest)
+            return over
 
     def forget(self, lookup_id: str) -> None:
+        with self._lock:
+            self._forget(lookup_id)
+
+    def _forget(self, lookup_id: str) -> None:
         key = self._pins.pop(lookup_id, None)
         ids = self._by_key.get(key) if key is not None else None
         if ids:
@@ -54,17 +62,19 @@ class PinBook:
 
     def take(self, spans: Sequence[ChunkSpan]) -> str | None:
         """The oldest open lookup whose last chunk is in `spans`, forgotten here."""
-        for span in reversed(spans):
-            ids = self._by_key.get(span.key)
-            if ids:
-                lookup_id = ids[0]
-                self.forget(lookup_id)
-                return lookup_id
-        return None
+        with self._lock:
+            for span in reversed(spans):
+                ids = self._by_key.get(span.key)
+                if ids:
+                    lookup_id = ids[0]
+                    self._forget(lookup_id)
+                    return lookup_id
+            return None
 
     def clear(self) -> None:
-        self._pins.clear()
-        self._by_key.clear()
+        with self._lock:
+            self._pins.clear()
+            self._by_key.clear()
 
 
 __all__ = ["MAX_OPEN_PINS", "PinBook"]

@@ -108,12 +108,16 @@ class ReadCache:
         return values
 
     def note(self, keys: Sequence[Any], refs: Sequence[Any]) -> None:
-        """Chunk `keys[i]` was read from object `refs[i]` (a ref or an id)."""
+        """Chunk `keys[i]` was read from object `refs[i]` (a ref or an id). A key now
+        in an object not held here is forgotten: its old object no longer serves it
+        (else `covers` would keep sending reads by id that this cache then misses)."""
         with self._lock:
             for key, ref in zip(keys, refs, strict=True):
                 oid = object_id(ref)
                 held = self._values.get(oid)
-                if held is not None and self._where.get(key) != oid:
+                if held is None:
+                    self._where.pop(key, None)
+                elif self._where.get(key) != oid:
                     self._where[key] = oid
                     held[2].append(key)
 

@@ -28,9 +28,11 @@ ALIGN = 64  # regions start on a cache line
 
 
 class StagingRing:
-    """A ring of `capacity` bytes: regions are taken at the tail and given back in the
-    order they were taken (one worker finishes stores in order). The memory is allocated
-    on first use and its pages stay warm, so staging a store costs one memcpy."""
+    """A ring of `capacity` bytes: regions are taken at the tail and may be given back in
+    any order (stores staged by several threads reach the worker in the order they were
+    queued, not taken); a region's bytes are reused only once every older region is back
+    too. The memory is allocated on first use and its pages stay warm, so staging a
+    store costs one memcpy."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -40,7 +42,8 @@ class StagingRing:
         self._head = 0  # start of the oldest region in use
         self._tail = 0  # where the next region starts
         self._used = 0  # bytes held by regions, padding skipped at a wrap included (stats)
-        self._regions: deque[tuple[int, int]] = deque()  # (start, bytes incl. padding)
+        # [start, bytes incl. padding, given back] of the regions not yet reusable
+        self._regions: deque[list[Any]] = deque()
         self._lock = threading.Lock()
 
     @property
@@ -67,16 +70,18 @@ class StagingRing:
                 return None
             self._tail = (start + size) % self.capacity
             self._used += pad + size
-            self._regions.append((start, pad + size))
+            self._regions.append([start, pad + size, False])
             return start, self._buf[start : start + nbytes]
 
     def give_back(self, token: int) -> None:
-        """Return the oldest region (`token` must be its start)."""
+        """Return the region that starts at `token` (the token `take` gave)."""
         with self._lock:
-            start, size = self._regions.popleft()
-            if start != token:
-                raise RuntimeError(f"staging regions returned out of order: {token} != {start}")
-            self._used -= size
+            region = next((r for r in self._regions if r[0] == token and not r[2]), None)
+            if region is None:
+                raise RuntimeError(f"no staging region in use starts at {token}")
+            region[2] = True
+            while self._regions and self._regions[0][2]:  # the oldest ones are free again
+                self._used -= self._regions.popleft()[1]
             if self._regions:
                 self._head = self._regions[0][0]
             else:

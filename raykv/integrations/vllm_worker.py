@@ -166,7 +166,7 @@ class WorkerSide:
                 raise LoadEnded("aborted" if stop.is_set() else "timed out", "before its read")
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
-            left = deadline - time.perf_counter()
+            left = max(0.0, deadline - time.perf_counter())
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id, timeout=left)
             parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
             reached = done

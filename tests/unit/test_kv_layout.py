@@ -76,3 +76,22 @@ def test_fill_then_materialise_gives_back_the_callers_kv_and_write_puts_it_in_pl
     wrong = layout.meta(spans[0]).__class__("float16", (2, 3, C, 8))
     cut = layout.materialise([(spans[0], bufs[0], metas[0]), (spans[1], bufs[1], wrong)], None)
     assert [s for s, _ in cut] == [spans[0]]
+
+
+def test_a_staging_view_made_under_inference_mode_serves_a_later_store_outside_it() -> None:
+    """The ring's views are cached per place: one first made inside
+    `torch.inference_mode()` (a model's forward) refused a later in-place copy outside it
+    ("Inplace update to inference tensor outside InferenceMode") and the store raised."""
+    spans = KeyMaker.from_config(CFG).keys(list(range(C)))
+    layout = KVLayout(CFG)
+    layout.check_source(kv(C), spans, C)
+    metas = [layout.meta(s) for s in spans]
+    region = np.zeros(metas[0].nbytes, dtype=np.uint8)
+    with torch.inference_mode():
+        layout.fill(region, 0, kv(C, seed=3), spans, metas)
+    for seed, mode in ((4, False), (5, True)):
+        source = kv(C, seed=seed)
+        with torch.inference_mode(mode):
+            layout.fill(region, 0, source, spans, metas)
+        got = torch.from_numpy(region).view(torch.float16).reshape(source.shape)
+        assert torch.equal(got, source)

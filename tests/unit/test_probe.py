@@ -3,7 +3,7 @@ ends (its notes go through `staging.SerialWorker`, tested in test_staging)."""
 
 from __future__ import annotations
 
-from raykv.client.kvcache import _chunks_within
+from raykv.client.reads import chunks_within as _chunks_within
 from raykv.keys import ChunkSpan, KeyMaker
 
 

@@ -129,3 +129,15 @@ def test_memo_is_made_once_per_key_while_the_object_is_held_and_goes_with_it():
     assert cache.memo("a", (0, "meta"), make("fresh")) == ["fresh"]
     cache.clear()
     assert cache.memo("a", (0, "meta"), make("cleared")) == ["cleared"]
+
+
+def test_a_key_read_from_an_object_not_held_is_no_longer_covered_by_its_old_one():
+    """A chunk stored again (or promoted from disk) comes back in a new object too big
+    to keep: the cache must stop naming the old object for it, or every retrieve of it
+    asks the manager by id, misses here, and asks again by ref."""
+    cache = ReadCache(250)
+    cache.read([Ref(b"X")], lambda refs: [[np.zeros(100, np.uint8)] for _ in refs])
+    cache.note(["k"], [b"X"])
+    assert cache.covers(["k"])
+    cache.note(["k"], [b"Y"])  # Y was read but not kept (larger than the cache)
+    assert not cache.covers(["k"]) and cache.held([b"X"]) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,12 +49,52 @@ def test_a_full_ring_refuses_and_an_oversize_region_never_fits() -> None:
         StagingRing(0)
 
 
-def test_regions_must_come_back_oldest_first() -> None:
+def test_a_region_given_back_early_is_reused_only_after_the_older_ones() -> None:
+    """Several threads stage stores: their jobs reach the worker in the order they were
+    queued, not the order their regions were taken. A region given back before an older
+    one must not let a new region overwrite that older one's bytes (they were stored
+    under another request's keys)."""
     ring = StagingRing(4 * ALIGN)
-    ring.take(ALIGN)
-    b = ring.take(ALIGN)
-    with pytest.raises(RuntimeError, match="out of order"):
-        ring.give_back(b[0])  # type: ignore[index]
+    a = ring.take(2 * ALIGN)
+    b = ring.take(2 * ALIGN)
+    assert a is not None and b is not None
+    a[1][:] = 7
+    ring.give_back(b[0])  # the younger one first
+    assert ring.take(ALIGN) is None  # its room follows `a`, still in use: no region yet
+    assert (a[1] == 7).all() and ring.used == 4 * ALIGN
+    ring.give_back(a[0])
+    assert ring.used == 0
+    with pytest.raises(RuntimeError, match="no staging region"):
+        ring.give_back(a[0])  # twice: a bug, said so
+    assert ring.take(4 * ALIGN) is not None
+
+
+def test_stores_staged_from_many_threads_send_their_own_bytes() -> None:
+    stager = Stager(8 * ALIGN)
+    sent: list[tuple[int, bool]] = []
+
+    def store(value: int) -> None:
+        def fill(region: np.ndarray, _offset: int) -> None:
+            region[:] = value
+
+        def send(region: np.ndarray, done: Any) -> None:
+            sent.append((value, bool((region == value).all())))
+            done()
+
+        while not stager.stage(ALIGN * (1 + value % 3), fill, send):
+            pass  # the ring is full: try again
+
+    threads = [
+        threading.Thread(target=lambda k=k: [store(k * 50 + i) for i in range(50)])
+        for k in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stager.drain(10)
+    assert len(sent) == 200 and all(ok for _, ok in sent), [v for v, ok in sent if not ok]
+    assert stager.ring.used == 0 and stager.failed == 0
 
 
 def test_the_stager_sends_in_order_frees_after_the_put_and_drops_when_full() -> None:
