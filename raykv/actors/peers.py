@@ -39,6 +39,9 @@ HEARTBEAT_SECS = 1.0  # a report (maybe empty) goes out at least this often
 # A controller killed for good is looked up (re-created) again after this back-off,
 # doubling up to the maximum while it fails.
 RECONNECT_MIN_SECS, RECONNECT_MAX_SECS = 1.0, 30.0
+# A peer's handle not named by a locate for this long is dropped when a new one is added
+# (nodes come and go over days of autoscaling).
+PEER_IDLE_SECS = 600.0
 
 
 class ControllerLink:
@@ -60,6 +63,7 @@ class ControllerLink:
         self.reporter = ControllerReporter(instance)
         self.peers: dict[str, Any] = {}  # manager name -> handle
         self._instances: dict[str, str] = {}  # manager name -> instance
+        self._used: dict[str, float] = {}  # manager name -> when a locate last named it
         self._info = {"manager": manager, "node_id": node_id}
         self._timeout = locate_timeout_s
         self._controller = get_or_create_controller(namespace)
@@ -90,7 +94,9 @@ class ControllerLink:
         if not found:
             return None
         instance, name, n = found
+        now = time.monotonic()
         if name not in self.peers:
+            self._prune(now)
             try:  # off the loop: the GCS answers
                 self.peers[name] = await asyncio.to_thread(self._peer_handle, name)
             except ValueError:  # gone (or not a raykv manager: ConfigError is a ValueError)
@@ -100,7 +106,15 @@ class ControllerLink:
                 logger.debug("peer manager %s unavailable: %r", name, exc)
                 return None
         self._instances[name] = instance
+        self._used[name] = now
         return PeerTier(name), n
+
+    def _prune(self, now: float) -> None:
+        for name, used in list(self._used.items()):
+            if now - used > PEER_IDLE_SECS:
+                self.peers.pop(name, None)
+                self._instances.pop(name, None)
+                del self._used[name]
 
     def _peer_handle(self, name: str) -> Any:
         from raykv.actors.storage_manager import StorageManager
@@ -112,6 +126,7 @@ class ControllerLink:
         """The peer `name` is dead: drop our handle and let the controller forget it
         (a peer that comes back is rebuilt from its next heartbeat's resync)."""
         self.peers.pop(name, None)
+        self._used.pop(name, None)
         instance = self._instances.pop(name, None)
         if instance is not None:
             self._controller.forget.remote(instance)

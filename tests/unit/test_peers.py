@@ -8,6 +8,7 @@ a dead peer is forgotten."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -150,3 +151,21 @@ def test_a_peer_without_the_listed_chunks_is_unlisted_for_them_a_dead_one_forgot
         assert "mgr-b" in link.peers
     else:
         assert controller.state.best_instances([other]) == [] and "mgr-b" not in link.peers
+
+
+def test_a_peer_no_locate_named_for_a_while_is_dropped_when_another_is_added(monkeypatch):
+    """Nodes come and go over days of autoscaling: the link keeps the handles of the
+    peers it used lately, not of every peer it ever met."""
+    answers = iter([("node-b", "mgr-b", 1), ("node-c", "mgr-c", 1)])
+    link = link_to(FakeController(locate=lambda keys, exclude: next(answers)), monkeypatch)
+    monkeypatch.setattr(link, "_peer_handle", lambda name: f"handle-{name}")
+    clock = [1000.0]
+    monkeypatch.setattr(peers, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    async def scenario() -> None:
+        await link.locate(KEYS)
+        clock[0] += peers.PEER_IDLE_SECS + 1
+        await link.locate(KEYS)
+
+    asyncio.run(scenario())
+    assert list(link.peers) == ["mgr-c"] and list(link._instances) == ["mgr-c"]
