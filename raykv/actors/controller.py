@@ -37,7 +37,7 @@ import ray
 from raykv.actors.base import CONTROLLER_NAME
 from raykv.actors.common import actor_options, named_actor
 from raykv.keys import CacheKey
-from raykv.wire import TIER_CPU, TIER_DISK
+from raykv.wire import TIER_CPU, TIER_DISK, PackedKeys, unpack_keys
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +135,38 @@ class ControllerState:
         self,
         instance: str,
         seq: int,
-        snapshot: dict[str, list[CacheKey]],
+        snapshot: dict[str, list[CacheKey] | PackedKeys | bytes],
         info: dict[str, Any] | None = None,
     ) -> None:
-        """Replace everything known about `instance` with its full snapshot at `seq`."""
-        self.forget(instance)
+        """Replace everything known about `instance` with its full snapshot at `seq`
+        (per tier: keys, `PackedKeys` or their wire bytes). Only the difference from what
+        was known is applied: a periodic resync of a node whose tiers hold 100k chunks
+        touches the few that changed, not every one twice."""
         self._heard(instance)
         self._seq[instance] = seq
         self._info[instance] = dict(info or {})
+        held = self._held.setdefault(instance, {})
+        for tier in [t for t in held if t not in snapshot]:
+            self._remove(instance, tier, list(held.pop(tier)))
         for tier, keys in snapshot.items():
-            self._add(instance, tier, keys)
+            old = held.get(tier, set())
+            if isinstance(keys, bytes | bytearray | memoryview):
+                keys = unpack_keys(keys)
+            if isinstance(keys, PackedKeys):  # compared by hash: only new keys are built
+                model, world, worker, dtype = keys.identity
+                hashes, gone = set(keys.hashes), []
+                for k in old:  # tuple fields by index: this runs for every key held
+                    if k[3] in hashes and k[0] == model and k[1] == world and k[2] == worker:
+                        if k[4] == dtype:
+                            hashes.discard(k[3])  # held already
+                            continue
+                    gone.append(k)
+                added: Iterable[CacheKey] = CacheKey.many(keys.identity, list(hashes))
+            else:
+                new = set(keys)
+                gone, added = list(old - new), new - old
+            self._remove(instance, tier, gone)
+            self._add(instance, tier, added)
 
     def drop(self, instance: str, tier: str, keys: Iterable[CacheKey]) -> None:
         """`instance` was found not to hold `keys` in `tier` (a stale listing): unlist

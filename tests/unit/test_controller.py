@@ -136,3 +136,26 @@ def test_drop_unlists_the_keys_of_one_instance_and_tier_only():
     assert st.best_instances([a], tiers=("cpu",)) == [("i2", 1)]
     assert st.best_instances([a], tiers=("disk",)) == [("i1", 1)]
     assert st.best_instances([c], tiers=("cpu",)) == [("i1", 1)]
+
+
+def test_a_packed_resync_applies_only_the_difference_and_ends_as_a_full_one_would():
+    """Managers send their periodic snapshot packed (`PackedKeys`): the controller
+    compares chunk hashes and builds only the keys it did not hold; what it lists after
+    is what a resync from plain key lists gives."""
+    from raykv.wire import PackedKeys
+
+    a, b, c, d = keys(4)
+    other_dtype = CacheKey(a.model_name, 1, 0, a.chunk_hash, "float16")
+    packed, plain = ControllerState(), ControllerState()
+    for st in (packed, plain):
+        st.resync("i1", 0, {"cpu": [a, b, other_dtype], "disk": [c]})
+        st.resync("i2", 0, {"cpu": [b]})
+    packed.resync("i1", 1, {"cpu": PackedKeys.of([b, c, d]), "disk": PackedKeys.of([])})
+    plain.resync("i1", 1, {"cpu": [b, c, d], "disk": []})
+    for st in (packed, plain):
+        assert st.best_instances([a], tiers=("cpu",)) == []
+        assert st.best_instances([other_dtype], tiers=("cpu",)) == []
+        assert st.best_instances([b, c, d], tiers=("cpu",)) == [("i1", 3), ("i2", 1)]
+        assert st.best_instances([c], tiers=("disk",)) == []
+    drop = lambda st: {k: v for k, v in st.stats().items() if k != "incarnation"}  # noqa: E731
+    assert drop(packed) == drop(plain)
