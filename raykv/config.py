@@ -48,11 +48,11 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _NULL = frozenset({"", "null", "none", "~"})
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-_CLASS_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_CLASS_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z")
 # A Ray node id in hex: 28 bytes (ray.NodeID.size()), as `ray.get_runtime_context().get_node_id()`.
-_NODE_ID_RE = re.compile(r"^[0-9a-fA-F]{56}$")
+_NODE_ID_RE = re.compile(r"^[0-9a-fA-F]{56}\Z")
 # Ray refuses these names in `resources` (they have their own options).
 _RAY_RESERVED_RESOURCES = frozenset({"CPU", "GPU"})
 # Ray's resource precision: a smaller amount is rejected when the actor is created.
@@ -158,7 +158,14 @@ class RayKVConfig:
         Env variables apply on top of the file whether or not a file was given.
         """
         if path is None:
-            path = os.environ.get(CONFIG_FILE_ENV) or None
+            path = os.environ.get(CONFIG_FILE_ENV)
+            if path is not None and not path.strip():
+                # Set but empty (a template that lost its value): skipping the file would
+                # silently drop whatever it sets, its payload_secret too.
+                raise ConfigError(
+                    f"{CONFIG_FILE_ENV} is set but empty: unset it to run without a config "
+                    "file, or name the file"
+                )
         layers: list[_Layer] = []
         if path is not None:
             layers.append(_layer(_read_yaml(path), f"file {os.fspath(path)}"))

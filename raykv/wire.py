@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raykv.errors import InvalidInputError
-from raykv.keys import CacheKey, ChunkSpan, KeyIdentity
+from raykv.keys import CacheKey, ChunkSpan, KeyIdentity, make_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -254,6 +254,7 @@ def unpack_keys(keys: Sequence[CacheKey] | PackedKeys | bytes) -> list[CacheKey]
 
 
 _HEX = re.compile(r"[0-9a-f]*")
+_NO_HASH = "0" * 32
 
 
 def _checked_form(
@@ -275,17 +276,26 @@ def _checked_form(
         and 0 <= worker < world
     ):
         raise ValueError(f"malformed {what} wire form: bad identity {identity!r:.200}")
+    try:  # what `make_key` asks of a key: a model name, a dtype name, a bounded length
+        make_key(model, world, worker, _NO_HASH, dtype)
+    except InvalidInputError as exc:
+        raise ValueError(f"malformed {what} wire form: {exc}") from None
     if not isinstance(hashes, list | tuple) or not all(type(h) is str for h in hashes):
         raise ValueError(f"malformed {what} wire form: hashes must be a list of strings")
     joined = "".join(hashes)
-    if len(joined) != 32 * len(hashes) or not _HEX.fullmatch(joined):
+    if (
+        len(joined) != 32 * len(hashes)
+        or not all(map((32).__eq__, map(len, hashes)))
+        or not _HEX.fullmatch(joined)
+    ):
         raise ValueError(f"malformed {what} wire form: each hash must be 32 lower-case hex digits")
     if ends is not None and not (
         isinstance(ends, list | tuple)
         and len(ends) == len(hashes)
         and all(type(e) is int for e in ends)
+        and (not ends or min(ends) >= 0)
     ):
-        raise ValueError(f"malformed {what} wire form: ends must be one int per hash")
+        raise ValueError(f"malformed {what} wire form: ends must be one int >= 0 per hash")
     return (model, world, worker, dtype), list(hashes)
 
 
@@ -479,10 +489,14 @@ class TailCandidates:
             raise InvalidInputError(f"tails must be TailCandidates.wire()'s tuple: {exc}") from None
         if not isinstance(starts, list | tuple) or len(starts) != len(ends):
             raise InvalidInputError("tails: one start per candidate")
-        if world > MAX_TAIL_RANKS or len(starts) > MAX_TAIL_CANDIDATES:
+        if (
+            world > MAX_TAIL_RANKS
+            or len(starts) > MAX_TAIL_CANDIDATES
+            or world * len(starts) > MAX_TAIL_CANDIDATES
+        ):
             raise InvalidInputError(
-                f"tails: at most {MAX_TAIL_CANDIDATES} candidates of at most {MAX_TAIL_RANKS} "
-                f"ranks, got {len(starts)} of {world}"
+                f"tails: at most {MAX_TAIL_CANDIDATES} keys (candidates x ranks) and "
+                f"{MAX_TAIL_RANKS} ranks, got {len(starts)} candidates of {world} ranks"
             )
         for start, end in zip(starts, ends, strict=True):
             if type(start) is not int or not 0 <= start < end:

@@ -20,7 +20,15 @@ from raykv.errors import PayloadError
 from raykv.keys import CacheKey
 from raykv.payload import decode, read_header
 from raykv.tiers.budget import ByteBudgetIndex
-from raykv.tiers.chunkfiles import SUFFIX, TMP_SUFFIX, ChunkFiles, KeyParser, read_file, unlink
+from raykv.tiers.chunkfiles import (
+    SHARD_CHARS,
+    SUFFIX,
+    TMP_SUFFIX,
+    ChunkFiles,
+    KeyParser,
+    read_file,
+    unlink,
+)
 
 if TYPE_CHECKING:
     from raykv.tiers.disk import _Pending
@@ -28,6 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("raykv.tiers.disk")
 
 _HEADER_PROBE = 2048  # bytes read by check() to validate a header without reading the body
+
+
+def _in_its_shard(key: CacheKey | None, shard: str) -> CacheKey | None:
+    """`key`, unless its file lies in another shard than its own: no path the store
+    reads or unlinks names such a file (a check must remove that file, not the key's)."""
+    return key if key is not None and key.chunk_hash[:SHARD_CHARS] == shard else None
 
 
 class DiskScan:
@@ -62,7 +76,7 @@ class DiskScan:
         now = time.time()
         for entry in self._files.layout_temps():
             removed += self._files.remove_if_stale(entry, now)
-        for _, entry in self._files.scan():
+        for shard, entry in self._files.scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
                 if self._files.remove_if_stale(entry, now):
@@ -72,7 +86,7 @@ class DiskScan:
                 continue
             if not name.endswith(SUFFIX):
                 continue
-            key = self._parse(name[: -len(SUFFIX)])
+            key = _in_its_shard(self._parse(name[: -len(SUFFIX)]), shard.name)
             if key is None:
                 bad += 1
                 continue
@@ -129,7 +143,7 @@ class DiskScan:
             report["temp_files"] += 1
             if fix:
                 unlink(entry.path)
-        for _, entry in self._files.scan():
+        for shard, entry in self._files.scan():
             name = entry.name
             if name.endswith(TMP_SUFFIX):
                 with self._lock:
@@ -143,8 +157,11 @@ class DiskScan:
                 report["unknown_files"] += 1
                 continue
             report["files"] += 1
-            key = self._parse(name[: -len(SUFFIX)])
-            problem = "unparsable name" if key is None else self._verify(entry.path, key, deep)
+            key = _in_its_shard(self._parse(name[: -len(SUFFIX)]), shard.name)
+            if key is None:
+                problem: str | None = "misplaced or unparsable name"
+            else:
+                problem = self._verify(entry.path, key, deep)
             if problem is not None:
                 report["bad_files"] += 1
                 logger.warning("disk tier: bad file %s: %s", entry.path, problem)

@@ -202,14 +202,21 @@ class RedisBackend:
             pipe.exists(name)
             pipe.getrange(name, 0, HEADER_PREFIX_BYTES - 1)
             pipe.strlen(name)
-        replies = await pipe.execute()
+        # A command's own error (WRONGTYPE: a list or hash planted under a chunk's name)
+        # comes back as its reply: that value is junk, the rest of the batch is served.
+        replies = await pipe.execute(raise_on_error=False)
         values: list[bytes | None] = [None] * len(keys)
         bad: list[str] = []
         fetch: list[int] = []
         for i, key in enumerate(keys):
-            exists, head, length = replies[3 * i], replies[3 * i + 1], int(replies[3 * i + 2])
-            if not exists:
-                continue  # no such value
+            exists, head, length = replies[3 * i : 3 * i + 3]
+            if isinstance(exists, Exception) or not exists:
+                continue  # no such value (or no answer for it: a miss)
+            if isinstance(head, Exception) or isinstance(length, Exception):
+                logger.warning("redis tier: deleting a value of %s that is no string", key)
+                bad.append(names[i])
+                continue
+            length = int(length)
             verdict = self._verdict(key, head, length)
             if verdict != "ok":
                 if verdict == "bad":

@@ -424,6 +424,27 @@ def test_redis_corrupt_value_is_a_miss_and_is_deleted(tier: Tier) -> None:
     client.close()
 
 
+@redis_only
+def test_a_redis_value_of_another_type_is_a_miss_and_is_deleted_the_rest_served(
+    tier: Tier,
+) -> None:
+    """A list under a chunk's name made the batch's pipeline raise (WRONGTYPE): every
+    chunk of the batch missed, the breaker opened, and the value stayed."""
+    put(tier.handle, [2, 3])
+    client = redis.Redis.from_url(tier.server.url)
+    name = f"{TEST_NAMESPACE}:kv:" + key(1).to_string()
+    client.rpush(name, b"x")
+    errors = ray.get(tier.handle.stats.remote())["errors"]
+    try:
+        metas, _ = get(tier.handle, [1, 2, 3])
+        assert metas == [None, chunk(2)[0], chunk(3)[0]]
+        assert client.exists(name) == 0
+        assert ray.get(tier.handle.stats.remote())["errors"] == errors
+    finally:
+        client.delete(name)
+        client.close()
+
+
 def test_payload_secret_keys_disk_and_redis_records_and_refuses_planted_ones(
     tmp_path: Path, redis_module: RedisServer
 ) -> None:

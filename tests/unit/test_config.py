@@ -430,7 +430,7 @@ def test_unknown_env_var_warns_but_does_not_fail(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("RAYKV_CHUNK_SIZ", "64")
-    monkeypatch.setenv("RAYKV_CONFIG_FILE", "")
+    monkeypatch.delenv("RAYKV_CONFIG_FILE", raising=False)
     with caplog.at_level(logging.WARNING, logger="raykv.config"):
         cfg = RayKVConfig.load()
     assert cfg.chunk_size == 256
@@ -987,3 +987,20 @@ def test_any_valid_config_round_trips_through_yaml(tmp_path: Path, cfg: RayKVCon
     path.write_text(cfg.to_yaml(), encoding="utf-8")
     assert RayKVConfig.from_file(path) == cfg
     assert RayKVConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_empty_config_file_variable_is_an_error_not_no_file(monkeypatch) -> None:
+    """A template that lost its value left RAYKV_CONFIG_FILE empty: the file (and the
+    payload_secret it sets) was skipped without a word."""
+    monkeypatch.setenv("RAYKV_CONFIG_FILE", " ")
+    with pytest.raises(ConfigError, match="RAYKV_CONFIG_FILE is set but empty"):
+        RayKVConfig.load()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("namespace", "raykv\n"), ("remote_url", "ray://srv\n"), ("policy", "mod.path:Cls\n")],
+)
+def test_a_trailing_newline_is_no_part_of_a_name(field, value) -> None:
+    with pytest.raises(ConfigError):
+        RayKVConfig(**{field: value})

@@ -293,6 +293,30 @@ def test_check_fix_removes_temp_and_bad_files_and_reconciles_the_index(store: Di
     assert clean["entries"] == 3
 
 
+def test_a_file_in_another_shard_than_its_keys_is_removed_and_the_keys_own_kept(
+    store: DiskStore,
+) -> None:
+    """A file named after a key but lying in another shard is no file of that key: a
+    check removed the key's real file (its path) and kept the misplaced one, and a
+    reopened store indexed the key at a path where nothing was."""
+    put(store, [1])
+    right = Path(store.path_of(key(1)))
+    wrong_shard = "00" if right.parent.name != "00" else "01"
+    misplaced = right.parent.parent / wrong_shard / right.name
+    misplaced.parent.mkdir(exist_ok=True)
+    misplaced.write_bytes(b"garbage")
+    report = store.check(fix=True)
+    assert report["bad_files"] == 1 and not misplaced.exists() and right.exists()
+    assert store.get([key(1)])[0] is not None
+    os.unlink(right)
+    misplaced.write_bytes(right.name.encode())  # only the misplaced file is left
+    reopened = DiskStore(Path(store.directory).parent, 1 << 20)
+    try:
+        assert reopened.keys() == [] and reopened.get([key(1)]) == [None]
+    finally:
+        reopened.close()
+
+
 def test_disk_full_drops_the_write_without_raising(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, 1 << 20, files=FullFiles)
     ack = put(store, [1])  # no exception

@@ -506,6 +506,11 @@ _HASH = "0123456789abcdef" * 2
         (["m", 1, 5, "float16"], [_HASH]),
         (["m", 1, 0, None], [_HASH]),
         (None, [_HASH]),
+        (["m", 1, 0, "float16"], ["a" * 31, "a" * 33]),  # 64 hex digits, not two of 32
+        (["m", 1, 0, "float16"], ["", "a" * 64]),
+        (["m", 1, 0, "bf/../x"], [_HASH]),  # no dtype name
+        (["m", 1, 0, "x" * 100_000], [_HASH]),
+        (["", 1, 0, "float16"], [_HASH]),  # no model name
     ],
 )
 def test_a_malformed_wire_key_form_is_an_invalid_input_error(identity: Any, hashes: Any) -> None:
@@ -522,6 +527,15 @@ def test_a_malformed_wire_key_form_is_an_invalid_input_error(identity: Any, hash
         split_spans(spans_form)
     with pytest.raises(InvalidInputError, match="malformed"):
         unpack_keys(spans_form)
+
+
+def test_negative_span_ends_in_a_wire_form_are_an_invalid_input_error() -> None:
+    import msgpack
+
+    from raykv.wire import SPANS_WIRE, split_spans
+
+    with pytest.raises(InvalidInputError, match="ends"):
+        split_spans(msgpack.packb([SPANS_WIRE, ["m", 1, 0, "float16"], [_HASH], [-16]]))
 
 
 def test_a_msgpack_ext_type_in_a_wire_form_is_an_invalid_input_error() -> None:

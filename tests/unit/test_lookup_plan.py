@@ -198,6 +198,9 @@ def test_candidates_travel_as_a_plain_tuple_and_malformed_ones_are_refused() -> 
         (*good[:5], ["zz"] * 3),
         ("m", 1 << 40, "float16", *good[3:]),  # a world that size would hang the manager
         (*good[:3], [0] * (1 << 17), [8] * (1 << 17), ["0" * 32] * (1 << 17)),
+        # within each bound, not their product: 2^16 candidates x 1024 ranks made the
+        # manager build 67M keys (~8.6 GB) for one lookup
+        ("m", 1024, "float16", [0] * (1 << 16), [1] * (1 << 16), ["0" * 32] * (1 << 16)),
     ]
     for bad in bad_forms:
         with pytest.raises(InvalidInputError, match="tails"):
