@@ -113,6 +113,7 @@ from raykv.integrations.vllm_setup import (
     block_nbytes,
     chunk_hashes,
     engine_layout,
+    hashes_collision_resistant,
     prompt_tail,
     rank_spans,
     raykv_config,
@@ -181,8 +182,15 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             logger.warning(
                 "raykv: vLLM's block hashes are seeded per process (prefix_caching_hash_algo="
                 "%s without PYTHONHASHSEED), so no other process could find what this engine "
-                "stores: the connector loads and stores nothing. Set PYTHONHASHSEED to one "
-                "value in every engine, or use prefix_caching_hash_algo=sha256.",
+                "stores: the connector loads and stores nothing. Use prefix_caching_hash_algo="
+                "sha256 (vLLM's default).",
+                vllm_config.cache_config.prefix_caching_hash_algo,
+            )
+        elif role == KVConnectorRole.SCHEDULER and not hashes_collision_resistant(vllm_config):
+            logger.warning(
+                "raykv: prefix_caching_hash_algo=%s with PYTHONHASHSEED set: block hashes "
+                "anyone can compute, in a cache shared by every engine and kept on disk, let "
+                "a crafted prompt collide with another user's blocks. Use sha256.",
                 vllm_config.cache_config.prefix_caching_hash_algo,
             )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -581,6 +589,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
     ) -> None:
         if not self._wait.isdisjoint(state.block_ids):
             return  # on a block loaded in-step lately: planned once vLLM saw its output
+        limit = self.config.priority_limit  # as KVCache.store: above the limit, not stored
+        if limit is not None and getattr(state.request, "priority", 0) > limit:
+            return
         done = min(num_computed + num_scheduled.get(req_id, 0), state.request.num_tokens)
         hashes = chunk_hashes(state.request, done, self._chunk, self._hash_block)
         end = len(hashes) * self._chunk

@@ -147,7 +147,10 @@ class KVEvents:
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
-            self._poll()
+            try:
+                self._poll()
+            except Exception:  # a malformed reply (another version's manager): the
+                logger.exception("raykv KV events: a poll failed")  # thread goes on
 
     def _poll(self) -> None:
         try:

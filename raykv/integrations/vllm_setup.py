@@ -9,14 +9,17 @@ ends (so LoRA adapter, multimodal inputs, prompt embeds and `cache_salt` are in 
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
 import re
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from raykv.config import RayKVConfig
+from raykv.config import KV_DTYPES, RayKVConfig
 from raykv.errors import ConfigError
 from raykv.keys import ChunkSpan, KeyMaker
 from raykv.wire import TIER_CPU, TIER_DISK, TailCandidates
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 # cutting at other sizes (or a prompt's partial last chunk) end chunks at the same block.
 KEY_VERSION = "keys-3"
 _MODEL_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+DEFAULT_MODEL_NAME = next(f.default for f in fields(RayKVConfig) if f.name == "model_name")
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,19 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             f"{block_size} (raykv loads and saves whole blocks)"
         )
     dtype = str(spec.dtype).removeprefix("torch.")
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if dtype not in KV_DTYPES:
+        raise ConfigError(
+            f"vLLM's KV cache holds {dtype} (cache_dtype={cache_dtype!r}): the raykv "
+            f"connector stores KV of {', '.join(KV_DTYPES)} only, not quantized KV caches"
+        )
     parallel = vllm_config.parallel_config
+    for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(parallel, cp, 1) or 1) > 1:
+            raise ConfigError(
+                f"{cp}={getattr(parallel, cp)}: context parallelism shards a block's KV "
+                f"across ranks that raykv keys alike; the connector needs it off"
+            )
     world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if world > 1 and "MLA" in type(spec).__name__:
         raise ConfigError(
@@ -72,7 +88,10 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             f"connector supports MLA models with tensor_parallel_size * "
             f"pipeline_parallel_size = 1 only, until it stores that KV once"
         )
-    model = config.model_name if "model_name" in extra else vllm_config.model_config.model
+    # A model_name set anywhere (extra config, RAYKV_MODEL_NAME, the file) names the model
+    # in the keys: engines loading the same weights from other paths then share them.
+    named = "model_name" in extra or config.model_name != DEFAULT_MODEL_NAME
+    model = config.model_name if named else vllm_config.model_config.model
     parts = [
         KEY_VERSION,
         _vllm_version(),
@@ -92,10 +111,18 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
     ]
     # Only where they apply, so other engines keep their keys: the CPU attention's
     # instruction set, on-the-fly quantization, config overrides (all change the KV).
+    # The weights: a checkpoint updated in place (a new fine-tune at the same path, a hub
+    # id whose main moved) must not be served the KV of the old one from the lower tiers,
+    # which outlive the engine. The speculative drafter's layers keep KV in the same pages.
     extras = {
         "isa": _cpu_isa(vllm_config, spec),
         "quantization": getattr(vllm_config.model_config, "quantization", None),
         "hf_overrides": _overrides(getattr(vllm_config.model_config, "hf_overrides", None)),
+        "weights": _weights_identity(vllm_config.model_config),
+        "backend_per_kind": _overrides(
+            getattr(vllm_config.attention_config, "backend_per_kind", None)
+        ),
+        "drafter": _drafter(getattr(vllm_config, "speculative_config", None)),
     }
     parts += [f"{name}={value}" for name, value in extras.items() if value]
     fingerprint = "|".join(str(part) for part in parts)
@@ -137,13 +164,63 @@ def _keyed_layers(vllm_config: VllmConfig, n_layers: int) -> int | str:
 
 
 def _overrides(overrides: Any) -> str | None:
-    """`hf_overrides` as the same string in every process: a dict by its items, a
-    function by its qualified name (its repr holds an address)."""
+    """`hf_overrides` (or another dict of settings) as the same string in every process:
+    a dict as JSON with sorted keys at every depth, a function by its qualified name (its
+    repr holds an address)."""
     if not overrides:
         return None
     if callable(overrides):
         return f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
-    return repr(sorted(dict(overrides).items()))
+    return json.dumps(dict(overrides), sort_keys=True, default=str)
+
+
+# Files whose bytes are the model's weights (and its config), sampled for `_weights_identity`.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+_SAMPLE_BYTES = 64 << 10
+
+
+def _weights_identity(model_config: Any) -> str | None:
+    """What tells this checkpoint from another under the same name: the hub commit
+    transformers resolved, or for a local directory a digest of its weight files'
+    names, sizes and three samples of each file's bytes (start, middle, end: a fine-tune
+    of the same architecture differs in all of them), equal wherever the same files
+    are. None where neither is known (the keys then say only the name and revision)."""
+    commit = getattr(getattr(model_config, "hf_config", None), "_commit_hash", None)
+    if isinstance(commit, str) and commit:
+        return f"commit {commit}"
+    path = getattr(model_config, "model", None)
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    return _directory_digest(os.path.realpath(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _directory_digest(path: str) -> str | None:
+    digest = xxhash.xxh64()
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
+        for name in names:
+            with open(os.path.join(path, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest.update(f"{name}:{size};".encode())
+                for at in sorted(
+                    {0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)}
+                ):
+                    f.seek(at)
+                    digest.update(f.read(_SAMPLE_BYTES))
+    except OSError as exc:  # unreadable: key by name alone, and say so
+        logger.warning("raykv: cannot read the weights under %s (%r) for the keys", path, exc)
+        return None
+    return f"files {digest.hexdigest()}" if names else None
+
+
+def _drafter(speculative: Any) -> str | None:
+    """A speculative decoder's method and draft model: EAGLE-style draft layers keep
+    their KV in the target's pages, so another drafter's pages hold other KV."""
+    if speculative is None or not getattr(speculative, "method", None):
+        return None
+    parts = (speculative.method, getattr(speculative, "model", None))
+    return ":".join(str(p) for p in (*parts, getattr(speculative, "revision", None)) if p)
 
 
 def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> str:
@@ -234,6 +311,14 @@ def block_hashes_shared(vllm_config: VllmConfig) -> bool:
 
     algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
     return os.environ.get("PYTHONHASHSEED") is not None or not algo.startswith("xxhash")
+
+
+def hashes_collision_resistant(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's block hashes resist crafted collisions: sha256 does; xxhash does
+    only behind a secret per-process seed, which PYTHONHASHSEED (needed for raykv to
+    share them) makes public."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    return not algo.startswith("xxhash")
 
 
 def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> list[bytes]:

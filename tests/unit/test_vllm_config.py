@@ -197,3 +197,75 @@ def test_block_nbytes_is_a_blocks_pages_across_layers_or_0_when_unknown():
     assert block_nbytes(kv_cache_config) == 32 * 65536
     assert block_nbytes(None) == 0
     assert block_nbytes(configs(groups=2)[1]) == 0  # a hybrid model: not served anyway
+
+
+def test_a_checkpoint_updated_in_place_gets_other_keys_and_a_copy_the_same(tmp_path, monkeypatch):
+    """The lower tiers outlive the engine: new weights at the same path (a fine-tune of
+    the same shapes) must not be served the old weights' KV. The same files elsewhere
+    (another node's copy, under one model_name) key alike; a hub checkpoint keys by its
+    commit."""
+    from raykv.integrations import vllm_setup
+
+    def checkpoint(where, fill: int) -> str:
+        where.mkdir()
+        (where / "config.json").write_text('{"hidden_size": 8}')
+        (where / "model.safetensors").write_bytes(bytes([fill]) * (300 << 10))
+        vllm_setup._directory_digest.cache_clear()
+        return raykv_config(*configs(model=str(where))).model_name
+
+    old = checkpoint(tmp_path / "a", 1)
+    (tmp_path / "a").rename(tmp_path / "old")
+    assert checkpoint(tmp_path / "a", 2) != old  # same path, same sizes, other weights
+    monkeypatch.setenv("RAYKV_MODEL_NAME", "llama")
+    assert checkpoint(tmp_path / "copy", 2) == checkpoint(tmp_path / "copy2", 2)
+    assert checkpoint(tmp_path / "other", 3) != checkpoint(tmp_path / "other2", 2)
+    monkeypatch.delenv("RAYKV_MODEL_NAME")
+    vllm_config, kv_cache_config = configs()
+    vllm_config.model_config.hf_config = SimpleNamespace(_commit_hash="abc123")
+    hub = raykv_config(vllm_config, kv_cache_config).model_name
+    assert hub != raykv_config(*configs()).model_name
+    vllm_config.model_config.hf_config = SimpleNamespace(_commit_hash="def456")
+    assert raykv_config(vllm_config, kv_cache_config).model_name != hub
+
+
+def test_engines_that_name_their_model_share_keys_across_paths(monkeypatch, tmp_path):
+    """RAYKV_MODEL_NAME (or the file's model_name) names the model in the keys, as the
+    extra config's does: the same weights under two paths then share their KV."""
+    monkeypatch.setenv("RAYKV_MODEL_NAME", "shared-llama")
+    assert (
+        raykv_config(*configs(model="/a/llama")).model_name
+        == raykv_config(*configs(model="/b/llama")).model_name
+    )
+
+
+@pytest.mark.parametrize("cp", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_engines_are_refused(cp):
+    vllm_config, kv_cache_config = configs()
+    setattr(vllm_config.parallel_config, cp, 2)
+    with pytest.raises(ConfigError, match=cp):
+        raykv_config(vllm_config, kv_cache_config)
+
+
+def test_a_quantized_kv_cache_is_refused_naming_its_cache_dtype():
+    vllm_config, kv_cache_config = configs(dtype=torch.uint8)
+    vllm_config.cache_config.cache_dtype = "fp8_e4m3"
+    with pytest.raises(ConfigError, match="cache_dtype='fp8_e4m3'.*quantized"):
+        raykv_config(vllm_config, kv_cache_config)
+
+
+def test_the_drafter_and_per_kind_backends_separate_keys_and_override_order_does_not():
+    base = raykv_config(*configs()).model_name
+    vllm_config, kv_cache_config = configs()
+    vllm_config.speculative_config = SimpleNamespace(method="eagle", model="/d/eagle-a")
+    eagle_a = raykv_config(vllm_config, kv_cache_config).model_name
+    vllm_config.speculative_config = SimpleNamespace(method="eagle", model="/d/eagle-b")
+    assert len({base, eagle_a, raykv_config(vllm_config, kv_cache_config).model_name}) == 3
+    vllm_config, kv_cache_config = configs()
+    vllm_config.attention_config.backend_per_kind = {"decoder": "FLEX_ATTENTION"}
+    assert raykv_config(vllm_config, kv_cache_config).model_name != base
+    names = set()
+    for overrides in ({"a": 1, "rope": {"x": 1, "y": 2}}, {"rope": {"y": 2, "x": 1}, "a": 1}):
+        vllm_config, kv_cache_config = configs()
+        vllm_config.model_config.hf_overrides = overrides
+        names.add(raykv_config(vllm_config, kv_cache_config).model_name)
+    assert len(names) == 1

@@ -184,3 +184,30 @@ def test_a_salted_requests_blocks_carry_its_extra_keys_as_vllms_own_events_do(ev
     ev.planned(req, ["k0", "k1"], 0)
     first, second = poll(ev, cache, [(True, "k0"), (True, "k1")])
     assert first.extra_keys == [("tenant-a",), None] and second.extra_keys == [None, None]
+
+
+def test_a_malformed_reply_does_not_end_the_polling_thread():
+    """The poller ran unguarded past the manager call: one reply of an unexpected shape
+    (a manager of another version) ended the thread, and no event came again."""
+    import threading
+
+    class Odd(FakeCache):
+        def cpu_events(self, cursor, identity):
+            self.cursor += 1
+            if cursor is None:
+                return ("log", self.cursor, 0), None
+            if self.cursor == 2:
+                return ("log", self.cursor, 0), 7  # not a list of changes
+            return ("log", self.cursor, 0), []
+
+    cache = Odd()
+    ev = KVEvents(cache, IDENTITY, BLOCK, CHUNK, poll_s=0.01)
+    try:
+        deadline = threading.Event()
+        for _ in range(300):
+            if cache.cursor >= 4:
+                break
+            deadline.wait(0.01)
+        assert cache.cursor >= 4  # it polled again after the malformed reply
+    finally:
+        ev.close()

@@ -242,7 +242,7 @@ def _scheduler(world_size: int, batches: int) -> object:
     from raykv.integrations.vllm_meta import Fillers
 
     conn = object.__new__(RayKVConnector)
-    conn.config = SimpleNamespace(lookup_wait_ms=0, world_size=world_size)
+    conn.config = SimpleNamespace(lookup_wait_ms=0, world_size=world_size, priority_limit=None)
     conn._exported = SimpleNamespace(export=lambda owner: None)
     conn._loading, conn._lookups_in_flight, conn._keyed = {}, 0, True
     conn._other_ranks = [object()] * (world_size - 1)
@@ -300,3 +300,30 @@ def test_with_several_ranks_a_request_loaded_in_step_saves_once_vllm_saw_that_st
     ] * 2
     saves = [[(s.start, s.end) for s in conn.build_connector_meta(step).saves] for step in steps]
     assert saves == [[(128, 256)] if i == planned_in else [] for i in range(3)]
+
+
+@pytest.mark.parametrize(("limit", "saved"), [(None, True), (1, True), (0, False)])
+def test_a_request_above_the_priority_limit_is_not_saved(limit, saved):
+    """`priority_limit` (store only requests whose priority is at most this), as
+    `KVCache.store` keeps it: the connector accepted it and stored everything."""
+    from types import SimpleNamespace
+
+    from raykv.integrations.vllm import RequestState
+
+    conn = _scheduler(1, 1)
+    conn.config.priority_limit = limit
+    req = request(TOKENS)
+    req.priority = 1
+    conn._requests = {"r": RequestState(req, "l", 0)}
+    conn._pending_loads = []
+    none = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(8)),), num_computed_tokens=0)
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=4 * CHUNK,
+        num_scheduled_tokens={"r": 4 * CHUNK},
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=none,
+    )
+    assert bool(conn.build_connector_meta(step).saves) == saved
