@@ -327,11 +327,35 @@ def chunk_hashes(request: Any, n_tokens: int, chunk: int, hash_block: int) -> li
     A block hash chains over the whole prefix and folds in everything vLLM keys a block
     on: the token ids, the LoRA adapter, multimodal inputs, prompt embeds and the
     request's `cache_salt`. So two requests share a chunk only where vLLM's own prefix
-    cache would share the block."""
+    cache would share the block. A LoRA adapter enters vLLM's hashes by name and path
+    only: its files' digest is mixed in here (`_adapter_salt`)."""
     hashes = request.block_hashes
     per_chunk = chunk // hash_block
     n = min(n_tokens // chunk, len(hashes) // per_chunk)
-    return [bytes(hashes[(i + 1) * per_chunk - 1]) for i in range(n)]
+    salt = _adapter_salt(request)
+    return [_salted(bytes(hashes[(i + 1) * per_chunk - 1]), salt) for i in range(n)]
+
+
+def _adapter_salt(request: Any) -> bytes:
+    """The digest of the files of `request`'s LoRA adapter (b"" without one, or where
+    they cannot be read): an adapter retrained in place keeps its name and path, and
+    its old KV must not be served from the lower tiers."""
+    lora = getattr(request, "lora_request", None)
+    path = getattr(lora, "lora_path", None) if lora is not None else None
+    return _adapter_digest(path) if isinstance(path, str) else b""
+
+
+@functools.lru_cache(maxsize=1024)
+def _adapter_digest(path: str) -> bytes:
+    """Per adapter path, once per process (the scheduler asks per request and step)."""
+    if not os.path.isdir(path):
+        return b""
+    digest = _directory_digest(os.path.realpath(path))
+    return digest.encode() if digest else b""
+
+
+def _salted(block_hash: bytes, salt: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(block_hash + salt) if salt else block_hash
 
 
 def tail_spans(
@@ -386,7 +410,7 @@ def prompt_tail(request: Any, chunk: int, block: int, hash_block: int) -> int:
 
 def tail_hash(request: Any, end: int, hash_block: int) -> bytes:
     """vLLM's block hash at token `end` (the key of a partial chunk ending there)."""
-    return bytes(request.block_hashes[end // hash_block - 1])
+    return _salted(bytes(request.block_hashes[end // hash_block - 1]), _adapter_salt(request))
 
 
 def warn_other_layouts(kv: Any, config: RayKVConfig, layout: str) -> None:

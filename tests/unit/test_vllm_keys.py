@@ -327,3 +327,30 @@ def test_a_request_above_the_priority_limit_is_not_saved(limit, saved):
         scheduled_cached_reqs=none,
     )
     assert bool(conn.build_connector_meta(step).saves) == saved
+
+
+def test_an_adapter_retrained_at_its_name_and_path_gets_other_keys(tmp_path):
+    """vLLM hashes a LoRA adapter by name and path: one retrained in place would be
+    served its old KV from the lower tiers. Its files' digest is mixed into the keys;
+    a request without an adapter keeps vLLM's hashes as they are."""
+    from vllm.lora.request import LoRARequest
+
+    from raykv.integrations import vllm_setup
+    from raykv.integrations.vllm_setup import tail_hash
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+
+    def hashes(weights: bytes) -> list[bytes]:
+        (adapter / "adapter_model.safetensors").write_bytes(weights)
+        vllm_setup._adapter_digest.cache_clear()  # a new process
+        vllm_setup._directory_digest.cache_clear()
+        req = request(TOKENS, lora_request=LoRARequest("a", 1, str(adapter)))
+        return chunk_hashes(req, req.num_tokens, CHUNK, BLOCK) + [tail_hash(req, BLOCK, BLOCK)]
+
+    first, again, retrained = hashes(b"1" * 4096), hashes(b"1" * 4096), hashes(b"2" * 4096)
+    assert first == again and not set(first) & set(retrained)
+    plain = request(TOKENS)
+    assert chunk_hashes(plain, plain.num_tokens, CHUNK, BLOCK)[0] == bytes(
+        plain.block_hashes[CHUNK // BLOCK - 1]
+    )
