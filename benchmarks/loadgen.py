@@ -189,6 +189,9 @@ async def _one(
                 continue
             chunk = json.loads(line[5:])
             now = time.perf_counter() - t0
+            if chunk.get("error"):  # vLLM reports a failure mid-stream under HTTP 200
+                out.error = f"in the stream: {str(chunk['error'])[:200]}"
+                break
             usage = chunk.get("usage")
             if usage:
                 details = usage.get("prompt_tokens_details") or {}
@@ -204,6 +207,8 @@ async def _one(
                 last = now
                 answer += words
     out.output_tokens = len(answer)
+    if not out.error and len(answer) != req.max_tokens:  # ignore_eos: every answer is whole
+        out.error = f"{len(answer)} of {req.max_tokens} tokens streamed"
     return answer
 
 

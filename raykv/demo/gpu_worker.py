@@ -12,6 +12,7 @@ CPU-only worker would prefill on one core: pass `num_threads` to use more.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,9 @@ from raykv.config import RayKVConfig
 from raykv.connector import GPUConnector
 from raykv.errors import InvalidInputError
 from raykv.keys import as_token_array
+
+# The dtypes the demo model computes in (its KV is stored in the same dtype).
+DEMO_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ModelWorker:
@@ -43,7 +47,14 @@ class ModelWorker:
             if not isinstance(num_threads, int) or num_threads < 1:
                 raise InvalidInputError(f"num_threads must be an int >= 1, got {num_threads!r}")
             torch.set_num_threads(num_threads)
+        if config.kv_dtype not in DEMO_DTYPES:
+            raise InvalidInputError(
+                f"the demo model runs in {', '.join(DEMO_DTYPES)}, not kv_dtype={config.kv_dtype!r}"
+            )
         self._demo = demo
+        # One generate at a time, whatever its caller does: a Serve request cancelled
+        # while its thread runs must not let the next one share the connector's staging.
+        self._serial = threading.Lock()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, config.kv_dtype)
         self.model = demo.build_demo_model(seed, dtype=dtype, device=self.device, **model_overrides)
@@ -90,6 +101,13 @@ class ModelWorker:
 
     @torch.inference_mode()
     def generate(
+        self, prompt_tokens: Any, max_new_tokens: int = 16, *, return_logits: bool = False
+    ) -> dict[str, Any]:
+        """See `_generate`; one at a time per worker."""
+        with self._serial:
+            return self._generate(prompt_tokens, max_new_tokens, return_logits=return_logits)
+
+    def _generate(
         self, prompt_tokens: Any, max_new_tokens: int = 16, *, return_logits: bool = False
     ) -> dict[str, Any]:
         """Greedy generation using raykv for the prompt's prefix; returns tokens and timings.

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import ray
 from ray import serve
+from ray.exceptions import RayTaskError
 
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
@@ -152,6 +153,14 @@ class KVModelServer:
             self.worker.kv.close()
             shutdown_namespace(self.config.namespace)
 
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica: a replica-scoped cache (detached
+        actors) must not outlive it."""
+        try:
+            self.shutdown_cache()
+        except Exception as exc:  # the cluster may be going away too
+            logger.warning("raykv demo: stopping this replica's cache failed: %r", exc)
+
 
 # What a response says about the cache (and the server's own timing). On a cache shared
 # by tenants these fields tell one user whether another user's prompt is cached: only an
@@ -179,6 +188,10 @@ class KVIngress:
             if not self._details:
                 out = {k: v for k, v in out.items() if k not in CACHE_DETAILS}
             return out
+        except RayTaskError as exc:  # raised in the replica: only bad input is the caller's
+            if isinstance(exc.cause, InvalidInputError):
+                return JSONResponse({"error": str(exc.cause)}, status_code=400)
+            raise  # a server fault: a 500, never its traceback in a 400's body
         except (ValueError, InvalidInputError) as exc:  # bad JSON or bad fields
             return JSONResponse({"error": str(exc)}, status_code=400)
 
@@ -253,7 +266,8 @@ DEMO_ARGS: dict[str, tuple[str, str]] = {  # demo_app argument -> (environment v
 
 
 def demo_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder for examples/serve_app.py (import_path `demo.serve_app:demo_app`).
+    """Serve application builder for examples/serve_app.py (import_path
+    `raykv.demo.serve_app:demo_app`).
 
     `args` (a Serve config's ``args:``) may set model (tiny|demo), replicas, router,
     chunk_size, cache_scope and cache_details (true|false, see `build_app`); what it

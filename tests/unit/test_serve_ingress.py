@@ -51,3 +51,61 @@ def test_by_default_an_answer_carries_no_cache_details():
 
 def test_cache_details_come_back_only_when_the_app_asks_for_them():
     assert answer(cache_details=True) == FULL
+
+
+def _failing(exc: BaseException) -> Any:
+    class Model:
+        class generate:  # noqa: N801 - mimics a deployment handle's method
+            @staticmethod
+            def remote(tokens: list[int], n: int) -> Any:
+                async def reply() -> dict[str, Any]:
+                    raise exc
+
+                return reply()
+
+    return Model()
+
+
+def test_bad_input_found_in_the_replica_is_a_400_with_its_message_alone():
+    """A replica's InvalidInputError reaches the ingress as a RayTaskError whose text
+    holds the remote traceback (pid, node address, file paths): the 400 says only the
+    cause; another error there is the server's, not a 400."""
+    from ray.exceptions import RayTaskError
+
+    from raykv.errors import InvalidInputError
+
+    bad = RayTaskError("generate", "Traceback ... /srv/x.py pid=7", InvalidInputError("too long"))
+    reply = asyncio.run(KVIngress(_failing(bad.as_instanceof_cause()))(_Request()))
+    assert reply.status_code == 400 and reply.body == b'{"error":"too long"}'
+    bug = RayTaskError("generate", "Traceback ...", ValueError("a server bug"))
+    with pytest.raises(RayTaskError):
+        asyncio.run(KVIngress(_failing(bug.as_instanceof_cause()))(_Request()))
+
+
+def test_a_demo_worker_runs_one_generate_at_a_time_whoever_calls():
+    """A cancelled Serve request releases the replica's asyncio lock while its thread
+    still generates: the worker itself must keep the next one waiting (both share the
+    connector's staging rows)."""
+    import threading
+    import time
+
+    from raykv.demo.gpu_worker import ModelWorker
+
+    worker = object.__new__(ModelWorker)
+    worker._serial = threading.Lock()
+    running, overlaps = [], []
+
+    def generate(tokens: Any, n: int, return_logits: bool = False) -> dict:
+        running.append(1)
+        overlaps.append(len(running) > 1)
+        time.sleep(0.05)
+        running.pop()
+        return {}
+
+    worker._generate = generate  # type: ignore[method-assign]
+    threads = [threading.Thread(target=worker.generate, args=([1], 1)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [False] * 4
