@@ -189,7 +189,11 @@ def main() -> None:
             print(f"warming job: {args.docs} documents, {n} tokens in {took:.1f} s")
             warmed = run_replica(model, address, args.namespace, docs[0])
             cold = run_replica(model, address, args.namespace + "-unwarmed", docs[0])
-    finally:
+    finally:  # the namespaces' actors are detached: stopped here, on a cluster too
+        import raykv
+
+        for namespace in (args.namespace, args.namespace + "-unwarmed"):
+            raykv.shutdown_namespace(namespace)
         ray.shutdown()
     first, repeat, unwarmed = warmed["first"], warmed["repeat"], cold["first"]
     for line in warmed["layout_warnings"]:

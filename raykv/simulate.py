@@ -149,7 +149,7 @@ def parse_sizes(spec: str, unique: int | None) -> list[tuple[str, int]]:
         try:
             if part.endswith("%"):
                 pct = float(part[:-1])
-                if not pct > 0:
+                if not 0 < pct < float("inf"):  # NaN and inf too
                     raise ValueError
                 size = max(1, round(unique * pct / 100))
             else:
@@ -259,12 +259,22 @@ def main(args: argparse.Namespace) -> int:
         # Counting distinct ids costs ~15% of a run: only when a size or --json needs it.
         unique = len(set(ids)) if args.json or "%" in args.size else None
         sizes = parse_sizes(args.size, unique)
-    except (ConfigError, InvalidInputError, UnicodeDecodeError, OSError) as exc:
+    except (ConfigError, InvalidInputError, UnicodeDecodeError, OSError, csv.Error) as exc:
         print(f"raykv simulate: error: {exc}", file=sys.stderr)
         return 2
     results = run(ids, policies, sizes, progress=False if args.no_progress else None)
-    if args.plot:
-        plot(results, args.plot)
+    plotted = None
+    if args.plot:  # after the run: a plot that cannot be drawn loses no result
+        try:
+            plot(results, args.plot)
+            plotted = args.plot
+        except ImportError:
+            print(
+                "raykv simulate: --plot needs matplotlib: pip install 'raykv[plot]'",
+                file=sys.stderr,
+            )
+        except OSError as exc:
+            print(f"raykv simulate: error: cannot write {args.plot}: {exc}", file=sys.stderr)
     if args.json:
         doc = {
             "trace": args.trace,
@@ -277,9 +287,9 @@ def main(args: argparse.Namespace) -> int:
         counted = f", {unique} unique objects" if unique is not None else ""
         print(f"trace {args.trace}: {len(ids)} requests{counted}")
         print(format_table(results))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-    return 0
+        if plotted:
+            print(f"plot written to {plotted}")
+    return 0 if plotted or not args.plot else 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -311,6 +311,8 @@ def demo_client(argv: Sequence[str] | None = None) -> None:
     """``python examples/serve_app.py --query N``: two requests sharing an N-token prefix."""
     import argparse
     import json
+    import sys
+    import urllib.error
     import urllib.request
 
     parser = argparse.ArgumentParser(description="Query the raykv Serve demo over HTTP.")
@@ -323,8 +325,13 @@ def demo_client(argv: Sequence[str] | None = None) -> None:
     for turn in range(2):
         body = {"tokens": prefix + [rng.randrange(vocab) for _ in range(16)], "max_new_tokens": 4}
         req = urllib.request.Request(args.url, data=json.dumps(body).encode(), method="POST")
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            out = json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                out = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # the server's own message, not a traceback
+            sys.exit(f"request {turn}: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
+        except urllib.error.URLError as exc:
+            sys.exit(f"cannot reach {args.url} ({exc.reason}): is `serve run` up?")
         if "hit_tokens" not in out:  # cache details are off: the tokens only
             print(f"request {turn}: tokens={out['tokens']} (cache_details off)")
             continue

@@ -79,6 +79,8 @@ def test_plot_writes_an_image(tmp_path, ids) -> None:
         ("1\n2\n", ["--size", "0"], "cache size '0' is invalid"),
         ("1\n2\n", ["--size=-5%"], "cache size '-5%' is invalid"),
         ("", [], "has no requests"),
+        ("1\n2\n", ["--size", "inf%"], "cache size 'inf%' is invalid"),
+        ("1\n2\n", ["--size", "1e400%"], "cache size '1e400%' is invalid"),
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, capsys, content, argv, message):
@@ -169,3 +171,20 @@ def test_progress_bar_is_not_imported_when_hidden(tmp_path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[-2] == "0 []"
+
+
+def test_a_plot_that_cannot_be_written_keeps_the_results(tmp_path, capsys) -> None:
+    """The run came first and the plot after it, outside the error handling: a plot
+    path in a missing folder lost the whole run to a traceback."""
+    path = tmp_path / "t.txt"
+    path.write_text("1\n2\n1\n")
+    assert _cli(["--plot", str(tmp_path / "missing" / "out.png"), str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "lru" in out and err.startswith("raykv simulate: error: cannot write")
+
+
+def test_a_csv_field_past_the_csv_limit_is_an_error(tmp_path, capsys) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("id\n" + "x" * (200 << 10) + "\n")
+    assert _cli([str(path)]) == 2
+    assert capsys.readouterr().err.startswith("raykv simulate: error:")
