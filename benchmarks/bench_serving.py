@@ -37,7 +37,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   `KVAwareRouter` would see of an engine whose connector reported nothing),
   `2-raykv-events` (`2-raykv` whose engines publish their KV events, which nobody
   reads: what publishing costs); and
-  `2-A+` (two plain replicas with enlarged pools, Serve's default routing);
+  `2-A+` (two plain replicas whose pools are enlarged by half the tier's bytes each,
+  the same cache bytes as the raykv arms' one shared tier; Serve's default routing);
 * `E`: LMCache, vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector`: tried (full
   run only) and reported N/A with the reason this machine gave.
 
@@ -80,6 +81,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +191,9 @@ def llm_config(
     from raykv.serve import router_config
 
     replicas, router, tier, enlarged = ARMS[arm]
-    pool = (args.pool_mib + (args.tier_mib if enlarged else 0)) << 20
+    # An enlarged arm's replicas share the tier's bytes, as the raykv arms' one tier is
+    # shared by their replicas: the same cache bytes in all.
+    pool = (args.pool_mib + (args.tier_mib // replicas if enlarged else 0)) << 20
     engine: dict[str, Any] = {
         "block_size": BLOCK,
         "enforce_eager": True,
@@ -452,15 +456,28 @@ def hit_sources(metrics_port: int) -> dict[str, float]:
 # ----- one arm -----
 
 
-def run_arm(arm: str, model: str, args: argparse.Namespace, env: dict[str, Any]) -> dict:
-    """Every workload x repeat against one arm's app: {"start_s", workload: [summary]}."""
+def run_arm(
+    arm: str,
+    model: str,
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    reps: Sequence[int] | None = None,
+) -> dict:
+    """Every workload x repeat in `reps` (all by default) against one start of the arm's
+    app: {"start_s", workload: [summary]}. The arm starts clean: a disk directory of its
+    own, Redis emptied, its raykv namespace stopped afterwards, even when it fails."""
+    import shutil
     import uuid
 
-    namespace = f"bench-serving-{uuid.uuid4().hex[:8]}" if ARMS[arm][2] else None
-    config = llm_config(arm, model, namespace or "", args, env["redis_url"])
-    out: dict[str, Any] = {"start_s": start_app(config, env["port"])}
+    tag = uuid.uuid4().hex[:8]
+    namespace = f"bench-serving-{tag}" if ARMS[arm][2] else None
+    args.disk_dir = os.path.join(args.disk_root, f"{arm}-{tag}")
+    _flush_redis(env["redis_url"])  # another arm's chunks would cost this one evictions
+    out: dict[str, Any] = {}
     try:
-        for rep in range(args.repeats):
+        config = llm_config(arm, model, namespace or "", args, env["redis_url"])
+        out["start_s"] = start_app(config, env["port"])
+        for rep in range(args.repeats) if reps is None else reps:
             for name in args.workloads:
                 got = run_workload(name, rep, args, env)
                 out.setdefault(name, []).append(got)
@@ -471,7 +488,30 @@ def run_arm(arm: str, model: str, args: argparse.Namespace, env: dict[str, Any])
                 )
     finally:
         stop_app(namespace)
+        shutil.rmtree(args.disk_dir, ignore_errors=True)
     return out
+
+
+def _flush_redis(url: str | None) -> None:
+    if not url:
+        return
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def merge_arm(into: dict[str, Any], got: dict[str, Any]) -> None:
+    """Add one start's results of an arm to what earlier starts gave (start times kept
+    per start; a workload's summaries in the order they ran)."""
+    into.setdefault("starts_s", []).append(got.get("start_s", float("nan")))
+    into["start_s"] = statistics.median(into["starts_s"])
+    for name, summaries in got.items():
+        if name != "start_s":
+            into.setdefault(name, []).extend(summaries)
 
 
 def run_workload(name: str, rep: int, args: argparse.Namespace, env: dict[str, Any]) -> dict:
@@ -638,10 +678,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> Summary:
                     med([r[key] * scale for r in base]) if base else None,
                     (min(vals), max(vals)),
                 )
+        sizes = sorted({r["requests"] for g in arms.values() for r in g.get(name, []) or []})
         print(
-            f"\n## {name}: closed loop at {args.concurrency}"
-            if args.rate is None
-            else f"\n## {name}: {args.rate} req/s"
+            (
+                f"\n## {name}: closed loop at {args.concurrency}"
+                if args.rate is None
+                else f"\n## {name}: {args.rate} req/s"
+            )
+            + f" ({'/'.join(map(str, sizes))} requests a repeat: a TTFT p99 of fewer than "
+            "100 is their largest, p90 of fewer than 10 their largest too; medians over "
+            "repeats [min-max])"
         )
         print_table(
             [
@@ -889,7 +935,8 @@ def main() -> None:
     print(TITLE)
     results: dict[str, Any] = {"arms": {}}
     with tempfile.TemporaryDirectory(prefix="raykv-serving-") as tmp:
-        args.disk_dir = str(Path(tmp) / "disk")
+        args.disk_root = str(Path(tmp) / "disk")  # one directory per arm's start below it
+        args.disk_dir = os.path.join(args.disk_root, "shared")  # the sweep's and soak's
         model = save_model(Path(tmp) / "model")
         # Redis's own limit is the Redis tier's budget (raykv keeps none for a remote):
         # the tier's bytes, plus a quarter for Redis's per-key overhead and fragmentation.
@@ -928,14 +975,24 @@ def main() -> None:
 
                 results["sweep"] = sweep(model, args, env)
             else:
-                for arm in args.arms:
-                    t0 = time.perf_counter()
-                    try:
-                        results["arms"][arm] = run_arm(arm, model, args, env)
-                    except Exception as exc:  # one arm failing never hides the others
-                        traceback.print_exc()
-                        results["arms"][arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                    print(f"arm {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
+                # Repeat by repeat, the arms in turn, the order reversed every other repeat
+                # (ABBA): an arm listed first no longer always runs first, on a machine
+                # whose speed drifts over a run (each repeat starts the arm's app afresh).
+                for rep in range(args.repeats):
+                    order = args.arms if rep % 2 == 0 else list(reversed(args.arms))
+                    for arm in order:
+                        if "error" in results["arms"].get(arm, {}):
+                            continue
+                        t0 = time.perf_counter()
+                        try:
+                            got = run_arm(arm, model, args, env, reps=[rep])
+                            merge_arm(results["arms"].setdefault(arm, {}), got)
+                        except Exception as exc:  # one arm failing never hides the others
+                            traceback.print_exc()
+                            results["arms"][arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                        print(
+                            f"arm {arm} repeat {rep}: {time.perf_counter() - t0:.0f} s", flush=True
+                        )
                 if not args.quick and not args.no_other:
                     results["other"] = try_other_connectors(model)
         finally:

@@ -44,7 +44,11 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
     ARMS["soak"] = (1, "pow2", "soak", False)
     control = args.soak_arm == "A"  # plain vLLM, the same load: whose memory grows?
     config = llm_config(args.soak_arm, model, namespace, args, env["redis_url"])
-    start_app(config, env["port"])
+    try:
+        start_app(config, env["port"])
+    except BaseException:
+        stop_app(namespace)  # a half-started app and its actors go with the failure
+        raise
     kv = None
     if not control:
         settings = tier_settings("soak", args, env["redis_url"])

@@ -32,6 +32,7 @@ def sweep(model: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str
             start_app(config, env["port"])
         except Exception as exc:  # one arm failing never hides the others
             out[arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            stop_app(namespace)  # a half-started app and its actors go before the next
             continue
         try:
             got: dict[str, list] = {}

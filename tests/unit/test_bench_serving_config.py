@@ -27,7 +27,8 @@ def test_every_arm_builds_its_config(arm: str, monkeypatch: pytest.MonkeyPatch) 
     cfg = bs.llm_config(arm, "/models/m", "ns" if bs.ARMS[arm][2] else "", args, "redis://h:1/0")
     replicas, _router, tier, enlarged = bs.ARMS[arm]
     engine = cfg.engine_kwargs
-    assert engine["kv_cache_memory_bytes"] == (48 + (256 if enlarged else 0)) << 20
+    # an enlarged arm's replicas share the tier's bytes, as raykv arms share one tier
+    assert engine["kv_cache_memory_bytes"] == (48 + (256 // replicas if enlarged else 0)) << 20
     assert ("kv_transfer_config" in engine) == (tier is not None)
     assert engine["block_size"] == bs.BLOCK and engine["dtype"] == "float32"
     assert cfg.experimental_configs["stream_batching_interval_ms"] == 0
