@@ -101,6 +101,9 @@ def calls_client() -> tuple[KVCache, list]:
     client._probe, client._reads, client._closed = None, None, False
     client._stager, client._pins = _Stager(), PinBook()
     client._packed = lambda spans: b"packed"  # type: ignore[method-assign]
+    # A fault's unpin is sent, not waited for: to no manager here (with a Ray up in this
+    # process, as in the full suite, it would reach for one).
+    client._manager = SimpleNamespace(unpin=SimpleNamespace(remote=lambda lookup_id: None))
     calls: list = []
 
     def call(method: str, *args: object, timeout: float | None, default: object) -> object:
