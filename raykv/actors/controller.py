@@ -147,7 +147,8 @@ class ControllerState:
         self._info[instance] = dict(info or {})
         held = self._held.setdefault(instance, {})
         for tier in [t for t in held if t not in snapshot]:
-            self._remove(instance, tier, list(held.pop(tier)))
+            self._remove(instance, tier, list(held[tier]))  # (finds the tier's set in held)
+            del held[tier]
         for tier, keys in snapshot.items():
             old = held.get(tier, set())
             if isinstance(keys, bytes | bytearray | memoryview):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from raykv.actors.common import check_actor_class
 from raykv.actors.controller import (
@@ -70,6 +70,7 @@ class ControllerLink:
         # A controller that fails or times out costs one lookup a wait, not every lookup.
         self._breaker = Breaker(f"the raykv controller in {namespace!r}")
         self._reconnect_s = RECONNECT_MIN_SECS
+        self._packed = True  # snapshots as PackedKeys (False: a controller of an older raykv)
 
     async def locate(self, keys: list[CacheKey]) -> tuple[PeerTier, int] | None:
         """(the peer, chunks) of the peer holding the longest prefix of `keys` in
@@ -136,7 +137,10 @@ class ControllerLink:
         evicted them since its last report): the controller drops those listings only."""
         instance = self._instances.get(name)
         if instance is not None and keys:
-            self._controller.drop.remote(instance, TIER_CPU, keys)
+            try:
+                self._controller.drop.remote(instance, TIER_CPU, keys)
+            except AttributeError:  # a controller of an older raykv (no `drop`): its resync
+                logger.debug("the raykv controller cannot drop listings; left to its resync")
 
     async def report_loop(self, snapshot: Callable[[], dict[str, list[CacheKey]]]) -> None:
         """Flush admit/evict batches to the controller; resync when it asks (lost batch,
@@ -151,7 +155,9 @@ class ControllerLink:
                     seq = rep.start_resync()
                     # Packed: a list of 300k CacheKeys took 0.4 s to pickle on the loop,
                     # their hashes 0.07 s (and the controller builds only the new keys).
-                    snap = {tier: PackedKeys.of(keys) for tier, keys in snapshot().items()}
+                    snap: dict[str, Any] = snapshot()
+                    if self._packed:
+                        snap = {tier: PackedKeys.of(keys) for tier, keys in snap.items()}
                     ref = self._controller.resync.remote(self.instance, seq, snap, self._info)
                     await asyncio.wait_for(ref, CONTROL_TIMEOUT_SECS)
                     last_full = last_sent = now
@@ -174,6 +180,11 @@ class ControllerLink:
             except ActorDiedError as exc:  # killed for good: a restart would not say so
                 rep.lost()
                 await self._reconnect(exc)
+            except RayTaskError as exc:  # it raised: maybe an older raykv's, unable to read
+                if self._packed:  # packed keys; plain lists from now on
+                    logger.info("the raykv controller refused a packed resync (%s)", exc)
+                    self._packed = False
+                rep.lost()
             except Exception as exc:
                 logger.debug("controller report failed (%s); will resync", exc)
                 rep.lost()

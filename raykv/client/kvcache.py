@@ -320,9 +320,12 @@ class KVCache:
         return lookup_id
 
     def wait(self, lookup_id: str, timeout: float | None = None) -> int:
-        """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds."""
+        """Prefix tokens of a prefetch ready in CPU, waiting at most `timeout` seconds
+        (None: until the prefetch ends, at most 10 lookup time-outs). A fault is 0 and
+        releases the prefetch's pins."""
         check_timeout(timeout)
-        return int(self._call("wait", lookup_id, timeout, timeout=self._outer(timeout), default=0))
+        reply = self._call("wait", lookup_id, timeout, timeout=self._outer(timeout), default=None)
+        return int(self._unless_fault(reply, lookup_id, 0))
 
     def wait_sources(
         self, lookup_id: str, timeout: float | None = None
@@ -332,8 +335,8 @@ class KVCache:
         order (kinds: "cpu", "disk", "remote", "peer"). A fault answers `(0, [])`."""
         check_timeout(timeout)
         outer = self._outer(timeout)
-        reply = self._call("wait", lookup_id, timeout, True, timeout=outer, default=(0, []))
-        n, sources = reply
+        reply = self._call("wait", lookup_id, timeout, True, timeout=outer, default=None)
+        n, sources = self._unless_fault(reply, lookup_id, (0, []))
         return int(n), [(str(k), int(end)) for k, end in sources]
 
     def fetch_spans(

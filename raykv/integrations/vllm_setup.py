@@ -9,11 +9,11 @@ ends (so LoRA adapter, multimodal inputs, prompt embeds and `cache_salt` are in 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import re
+import time
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ import xxhash
 from raykv.config import KV_DTYPES, RayKVConfig
 from raykv.errors import ConfigError
 from raykv.keys import ChunkSpan, KeyMaker
-from raykv.wire import TIER_CPU, TIER_DISK, TailCandidates
+from raykv.wire import MAX_TAIL_CANDIDATES, TIER_CPU, TIER_DISK, TailCandidates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -88,10 +88,17 @@ def raykv_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ray
             f"connector supports MLA models with tensor_parallel_size * "
             f"pipeline_parallel_size = 1 only, until it stores that KV once"
         )
-    # A model_name set anywhere (extra config, RAYKV_MODEL_NAME, the file) names the model
-    # in the keys: engines loading the same weights from other paths then share them.
-    named = "model_name" in extra or config.model_name != DEFAULT_MODEL_NAME
-    model = config.model_name if named else vllm_config.model_config.model
+    # Only the extra config's model_name names the model in the keys: it travels in
+    # vLLM's config to every worker, where RAYKV_MODEL_NAME or the file may not (vLLM's
+    # Ray workers get neither), and a worker keyed apart from its scheduler never hits.
+    if "model_name" not in extra and config.model_name != DEFAULT_MODEL_NAME:
+        logger.warning(
+            "raykv: model_name=%r from the environment or the config file does not name "
+            "the model in vLLM's keys (vLLM's workers may not see it); set it in "
+            "kv_connector_extra_config",
+            config.model_name,
+        )
+    model = config.model_name if "model_name" in extra else vllm_config.model_config.model
     parts = [
         KEY_VERSION,
         _vllm_version(),
@@ -174,9 +181,13 @@ def _overrides(overrides: Any) -> str | None:
     return json.dumps(dict(overrides), sort_keys=True, default=str)
 
 
-# Files whose bytes are the model's weights (and its config), sampled for `_weights_identity`.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+# Files whose bytes are the model's weights, sampled for `_weights_identity`, with its
+# config.json (what changes the KV; a tokenizer's files do not, for given token ids).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE_BYTES = 64 << 10
+# An adapter's digest is taken again after this long (one retrained and reloaded in
+# place in a running engine gets new keys from then on).
+ADAPTER_RECHECK_S = 5.0
 
 
 def _weights_identity(model_config: Any) -> str | None:
@@ -194,11 +205,12 @@ def _weights_identity(model_config: Any) -> str | None:
     return _directory_digest(os.path.realpath(path))
 
 
-@functools.lru_cache(maxsize=8)
 def _directory_digest(path: str) -> str | None:
     digest = xxhash.xxh64()
     try:
-        names = sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
+        names = sorted(
+            n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES) or n == "config.json"
+        )
         for name in names:
             with open(os.path.join(path, name), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -345,13 +357,22 @@ def _adapter_salt(request: Any) -> bytes:
     return _adapter_digest(path) if isinstance(path, str) else b""
 
 
-@functools.lru_cache(maxsize=1024)
-def _adapter_digest(path: str) -> bytes:
-    """Per adapter path, once per process (the scheduler asks per request and step)."""
-    if not os.path.isdir(path):
-        return b""
-    digest = _directory_digest(os.path.realpath(path))
-    return digest.encode() if digest else b""
+_adapter_digests: dict[str, tuple[float, bytes]] = {}  # path -> (when taken, digest)
+
+
+def _adapter_digest(path: str, now: float | None = None) -> bytes:
+    """Per adapter path, taken again at most every `ADAPTER_RECHECK_S` (the scheduler
+    asks per request and step: the files are read a few times a minute, not per step)."""
+    now = time.monotonic() if now is None else now
+    got = _adapter_digests.get(path)
+    if got is not None and now - got[0] < ADAPTER_RECHECK_S:
+        return got[1]
+    digest = _directory_digest(os.path.realpath(path)) if os.path.isdir(path) else None
+    salt = digest.encode() if digest else b""
+    if len(_adapter_digests) >= 1024:  # adapters come and go
+        _adapter_digests.clear()
+    _adapter_digests[path] = (now, salt)
+    return salt
 
 
 def _salted(block_hash: bytes, salt: bytes) -> bytes:
@@ -396,6 +417,9 @@ def tail_candidates(
     chunk, longest first, as `tail_spans`. `maker`: rank 0's keys."""
     ends = tail_ends(request, chunk, block, hash_block, first)
     ends.sort(key=lambda e: (e // chunk, -e))
+    # The manager refuses more keys (candidates x ranks) than MAX_TAIL_CANDIDATES, and
+    # with them the whole lookup: keep the nearest chunks' candidates.
+    ends = ends[: MAX_TAIL_CANDIDATES // max(1, maker.identity[1])]
     hashes = maker.hashes_from_hashes([tail_hash(request, e, hash_block) for e in ends])
     model, world, _rank, dtype = maker.identity
     return TailCandidates(model, world, dtype, [e // chunk * chunk for e in ends], ends, hashes)

@@ -184,3 +184,14 @@ def test_the_pin_book_hands_each_lookup_to_one_retrieve_across_threads() -> None
     finally:
         sys.setswitchinterval(switch)
     assert None not in taken and len(set(taken)) == len(taken) == 8000 and len(book) == 0
+
+
+def test_a_wait_that_faults_releases_the_prefetchs_pins() -> None:
+    """A wait the manager did not answer (in time) is 0 tokens: nothing will retrieve
+    that prefetch, so its pins go now, not at the end of their lease."""
+    client, _ = calls_client()
+    client._settle = lambda timeout=None: None  # type: ignore[method-assign]
+    unpinned: list = []
+    client.unpin = lambda lookup_id, wait=True: unpinned.append((lookup_id, wait))  # type: ignore[method-assign]
+    assert client.wait("lookup-1") == 0 and client.wait_sources("lookup-2") == (0, [])
+    assert unpinned == [("lookup-1", False), ("lookup-2", False)]

@@ -159,3 +159,11 @@ def test_a_packed_resync_applies_only_the_difference_and_ends_as_a_full_one_woul
         assert st.best_instances([c], tiers=("disk",)) == []
     drop = lambda st: {k: v for k, v in st.stats().items() if k != "incarnation"}  # noqa: E731
     assert drop(packed) == drop(plain)
+
+
+def test_a_resync_without_a_tier_unlists_that_tiers_keys():
+    a, b = keys(2)
+    st = ControllerState()
+    st.resync("i1", 0, {"cpu": [a], "disk": [b]})
+    st.resync("i1", 1, {"cpu": [a]})
+    assert st.best_instances([b], tiers=("disk",)) == [] and st.stats()["keys"] == 1

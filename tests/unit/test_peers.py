@@ -169,3 +169,33 @@ def test_a_peer_no_locate_named_for_a_while_is_dropped_when_another_is_added(mon
 
     asyncio.run(scenario())
     assert list(link.peers) == ["mgr-c"] and list(link._instances) == ["mgr-c"]
+
+
+def test_a_controller_of_an_older_raykv_gets_plain_resyncs_and_no_drops(monkeypatch):
+    """A controller is detached and lives on across upgrades: one that cannot read
+    packed keys (it raises) gets plain lists from the next resync on, and one without
+    `drop` leaves stale listings to its resyncs instead of failing the manager's get."""
+    from ray.exceptions import RayTaskError
+
+    old = FakeController()
+    plain_resync = old.state.resync
+
+    def resync(instance, seq, snapshot, info):
+        if any(not isinstance(keys, list) for keys in snapshot.values()):
+            raise RayTaskError("resync", "TypeError", TypeError("not iterable"))
+        return plain_resync(instance, seq, snapshot, info)
+
+    old.resync = _Call(resync)
+    del old.drop
+    monkeypatch.setattr(peers, "FLUSH_INTERVAL_SECS", 0.01)
+    link = link_to(old, monkeypatch)
+    link._instances["mgr-b"] = "node-b"
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(link.report_loop(lambda: {TIER_CPU: list(KEYS)}))
+        await asyncio.sleep(0.2)
+        loop.cancel()
+
+    asyncio.run(scenario())
+    assert old.state.best_instances(KEYS) == [("node-a", 3)]
+    link.stale("mgr-b", KEYS)  # no `drop` there: nothing raised

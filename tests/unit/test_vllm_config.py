@@ -204,22 +204,20 @@ def test_a_checkpoint_updated_in_place_gets_other_keys_and_a_copy_the_same(tmp_p
     the same shapes) must not be served the old weights' KV. The same files elsewhere
     (another node's copy, under one model_name) key alike; a hub checkpoint keys by its
     commit."""
-    from raykv.integrations import vllm_setup
 
-    def checkpoint(where, fill: int) -> str:
+    def checkpoint(where, fill: int, extra: dict | None = None) -> str:
         where.mkdir()
         (where / "config.json").write_text('{"hidden_size": 8}')
         (where / "model.safetensors").write_bytes(bytes([fill]) * (300 << 10))
-        vllm_setup._directory_digest.cache_clear()
-        return raykv_config(*configs(model=str(where))).model_name
+        (where / "tokenizer.json").write_text(str(where))  # no part of the KV: not keyed
+        return raykv_config(*configs(extra, model=str(where))).model_name
 
     old = checkpoint(tmp_path / "a", 1)
     (tmp_path / "a").rename(tmp_path / "old")
     assert checkpoint(tmp_path / "a", 2) != old  # same path, same sizes, other weights
-    monkeypatch.setenv("RAYKV_MODEL_NAME", "llama")
-    assert checkpoint(tmp_path / "copy", 2) == checkpoint(tmp_path / "copy2", 2)
-    assert checkpoint(tmp_path / "other", 3) != checkpoint(tmp_path / "other2", 2)
-    monkeypatch.delenv("RAYKV_MODEL_NAME")
+    named = {"model_name": "llama"}
+    assert checkpoint(tmp_path / "copy", 2, named) == checkpoint(tmp_path / "copy2", 2, named)
+    assert checkpoint(tmp_path / "other", 3, named) != checkpoint(tmp_path / "other2", 2, named)
     vllm_config, kv_cache_config = configs()
     vllm_config.model_config.hf_config = SimpleNamespace(_commit_hash="abc123")
     hub = raykv_config(vllm_config, kv_cache_config).model_name
@@ -228,14 +226,21 @@ def test_a_checkpoint_updated_in_place_gets_other_keys_and_a_copy_the_same(tmp_p
     assert raykv_config(vllm_config, kv_cache_config).model_name != hub
 
 
-def test_engines_that_name_their_model_share_keys_across_paths(monkeypatch, tmp_path):
-    """RAYKV_MODEL_NAME (or the file's model_name) names the model in the keys, as the
-    extra config's does: the same weights under two paths then share their KV."""
+def test_only_the_extra_configs_model_name_names_the_model_in_the_keys(monkeypatch, caplog):
+    """The extra config travels in vLLM's config to every worker; RAYKV_MODEL_NAME (or the
+    file) may not reach vLLM's Ray workers, which would then key apart from their
+    scheduler and never hit: it is not used for the keys, and that is said."""
+    named = {"model_name": "shared-llama"}
+    assert (
+        raykv_config(*configs(named, model="/a/llama")).model_name
+        == raykv_config(*configs(named, model="/b/llama")).model_name
+    )
     monkeypatch.setenv("RAYKV_MODEL_NAME", "shared-llama")
     assert (
         raykv_config(*configs(model="/a/llama")).model_name
-        == raykv_config(*configs(model="/b/llama")).model_name
+        != raykv_config(*configs(model="/b/llama")).model_name
     )
+    assert "kv_connector_extra_config" in caplog.text
 
 
 @pytest.mark.parametrize("cp", ["decode_context_parallel_size", "prefill_context_parallel_size"])

@@ -343,8 +343,7 @@ def test_an_adapter_retrained_at_its_name_and_path_gets_other_keys(tmp_path):
 
     def hashes(weights: bytes) -> list[bytes]:
         (adapter / "adapter_model.safetensors").write_bytes(weights)
-        vllm_setup._adapter_digest.cache_clear()  # a new process
-        vllm_setup._directory_digest.cache_clear()
+        vllm_setup._adapter_digests.clear()  # a new process
         req = request(TOKENS, lora_request=LoRARequest("a", 1, str(adapter)))
         return chunk_hashes(req, req.num_tokens, CHUNK, BLOCK) + [tail_hash(req, BLOCK, BLOCK)]
 
@@ -354,3 +353,34 @@ def test_an_adapter_retrained_at_its_name_and_path_gets_other_keys(tmp_path):
     assert chunk_hashes(plain, plain.num_tokens, CHUNK, BLOCK)[0] == bytes(
         plain.block_hashes[CHUNK // BLOCK - 1]
     )
+
+
+def test_an_adapter_reloaded_in_place_in_a_running_engine_is_keyed_anew_soon(tmp_path):
+    """vLLM can reload an adapter in place (`load_inplace`): its digest is taken again
+    every few seconds, not once per process."""
+    from raykv.integrations import vllm_setup
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"1" * 4096)
+    vllm_setup._adapter_digests.clear()
+    first = vllm_setup._adapter_digest(str(adapter), now=100.0)
+    (adapter / "adapter_model.safetensors").write_bytes(b"2" * 4096)
+    assert vllm_setup._adapter_digest(str(adapter), now=101.0) == first  # per step: cached
+    later = 100.0 + vllm_setup.ADAPTER_RECHECK_S + 1
+    assert vllm_setup._adapter_digest(str(adapter), now=later) not in (first, b"")
+
+
+def test_tail_candidates_stay_within_what_the_manager_takes(monkeypatch):
+    """The manager refuses a lookup whose tails hold more keys (candidates x ranks) than
+    its cap, whole chunks and all: the scheduler keeps the nearest chunks' candidates."""
+    from raykv.integrations import vllm_setup
+    from raykv.integrations.vllm_setup import tail_candidates
+    from raykv.wire import TailCandidates
+
+    monkeypatch.setattr(vllm_setup, "MAX_TAIL_CANDIDATES", 4)
+    maker = KeyMaker(chunk_size=CHUNK, model_name="m", world_size=2, worker_id=0)
+    req = request(list(range(1, 8 * CHUNK + 2)))
+    tails = tail_candidates(maker, req, CHUNK, BLOCK, BLOCK, 0)
+    assert len(tails.starts) == 2 and tails.starts == sorted(tails.starts)
+    assert TailCandidates.from_wire(tails.wire()) == tails
