@@ -505,10 +505,9 @@ def _flush_redis(url: str | None) -> None:
 
 
 def merge_arm(into: dict[str, Any], got: dict[str, Any]) -> None:
-    """Add one start's results of an arm to what earlier starts gave (start times kept
-    per start; a workload's summaries in the order they ran)."""
-    into.setdefault("starts_s", []).append(got.get("start_s", float("nan")))
-    into["start_s"] = statistics.median(into["starts_s"])
+    """Add one start's results of an arm to what earlier starts gave (the first start's
+    time, the one with nothing warm yet; a workload's summaries in the order they ran)."""
+    into.setdefault("start_s", got.get("start_s", float("nan")))
     for name, summaries in got.items():
         if name != "start_s":
             into.setdefault(name, []).extend(summaries)

@@ -316,7 +316,7 @@ class _FakePipeline:
     def strlen(self, name: str) -> None:
         self._replies.append(0 if self._redis.value is None else len(self._redis.value))
 
-    async def execute(self) -> list[Any]:
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
         return self._replies
 
 

@@ -359,9 +359,9 @@ def test_a_big_put_goes_in_pipelines_the_socket_time_out_covers(redis_server) ->
         pipe = real(*args, **kwargs)
         execute = pipe.execute
 
-        async def counting() -> Any:
+        async def counting(*args: Any, **kwargs: Any) -> Any:
             pipelines.append(len(pipe.command_stack))
-            return await execute()
+            return await execute(*args, **kwargs)
 
         pipe.execute = counting
         return pipe
