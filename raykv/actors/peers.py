@@ -113,9 +113,13 @@ class ControllerLink:
     def _prune(self, now: float) -> None:
         for name, used in list(self._used.items()):
             if now - used > PEER_IDLE_SECS:
-                self.peers.pop(name, None)
-                self._instances.pop(name, None)
-                del self._used[name]
+                self._drop_peer(name)
+
+    def _drop_peer(self, name: str) -> str | None:
+        """Forget our handle of the peer `name`; its instance, if we knew it."""
+        self.peers.pop(name, None)
+        self._used.pop(name, None)
+        return self._instances.pop(name, None)
 
     def _peer_handle(self, name: str) -> Any:
         from raykv.actors.storage_manager import StorageManager
@@ -126,9 +130,7 @@ class ControllerLink:
     def lost(self, name: str) -> None:
         """The peer `name` is dead: drop our handle and let the controller forget it
         (a peer that comes back is rebuilt from its next heartbeat's resync)."""
-        self.peers.pop(name, None)
-        self._used.pop(name, None)
-        instance = self._instances.pop(name, None)
+        instance = self._drop_peer(name)
         if instance is not None:
             self._controller.forget.remote(instance)
 

@@ -200,12 +200,15 @@ def _weights_identity(model_config: Any) -> str | None:
     if isinstance(commit, str) and commit:
         return f"commit {commit}"
     path = getattr(model_config, "model", None)
-    if not isinstance(path, str) or not os.path.isdir(path):
-        return None
-    return _directory_digest(os.path.realpath(path))
+    return _directory_digest(path) if isinstance(path, str) else None
 
 
 def _directory_digest(path: str) -> str | None:
+    """The digest of the weight files under the directory `path` (None: not a
+    directory, or none there)."""
+    if not os.path.isdir(path):
+        return None
+    path = os.path.realpath(path)
     digest = xxhash.xxh64()
     try:
         names = sorted(
@@ -231,8 +234,8 @@ def _drafter(speculative: Any) -> str | None:
     their KV in the target's pages, so another drafter's pages hold other KV."""
     if speculative is None or not getattr(speculative, "method", None):
         return None
-    parts = (speculative.method, getattr(speculative, "model", None))
-    return ":".join(str(p) for p in (*parts, getattr(speculative, "revision", None)) if p)
+    parts = (speculative.method, *(getattr(speculative, a, None) for a in ("model", "revision")))
+    return ":".join(str(p) for p in parts if p)
 
 
 def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> str:
@@ -367,7 +370,7 @@ def _adapter_digest(path: str, now: float | None = None) -> bytes:
     got = _adapter_digests.get(path)
     if got is not None and now - got[0] < ADAPTER_RECHECK_S:
         return got[1]
-    digest = _directory_digest(os.path.realpath(path)) if os.path.isdir(path) else None
+    digest = _directory_digest(path)
     salt = digest.encode() if digest else b""
     if len(_adapter_digests) >= 1024:  # adapters come and go
         _adapter_digests.clear()
@@ -391,7 +394,7 @@ def tail_spans(
     ends = tail_ends(request, chunk, block, hash_block, first, first + 1)
     if not ends:
         return []
-    hashes = [tail_hash(request, e, hash_block) for e in ends]
+    hashes = tail_hashes(request, ends, hash_block)
     return [ChunkSpan(start, s.end, s.key) for s in reversed(kv.hashed_spans(hashes, ends))]
 
 
@@ -420,7 +423,7 @@ def tail_candidates(
     # The manager refuses more keys (candidates x ranks) than MAX_TAIL_CANDIDATES, and
     # with them the whole lookup: keep the nearest chunks' candidates.
     ends = ends[: MAX_TAIL_CANDIDATES // max(1, maker.identity[1])]
-    hashes = maker.hashes_from_hashes([tail_hash(request, e, hash_block) for e in ends])
+    hashes = maker.hashes_from_hashes(tail_hashes(request, ends, hash_block))
     model, world, _rank, dtype = maker.identity
     return TailCandidates(model, world, dtype, [e // chunk * chunk for e in ends], ends, hashes)
 
@@ -434,7 +437,13 @@ def prompt_tail(request: Any, chunk: int, block: int, hash_block: int) -> int:
 
 def tail_hash(request: Any, end: int, hash_block: int) -> bytes:
     """vLLM's block hash at token `end` (the key of a partial chunk ending there)."""
-    return _salted(bytes(request.block_hashes[end // hash_block - 1]), _adapter_salt(request))
+    return tail_hashes(request, [end], hash_block)[0]
+
+
+def tail_hashes(request: Any, ends: list[int], hash_block: int) -> list[bytes]:
+    """`tail_hash` at each of `ends` (the adapter's salt looked up once)."""
+    salt, blocks = _adapter_salt(request), request.block_hashes
+    return [_salted(bytes(blocks[end // hash_block - 1]), salt) for end in ends]
 
 
 def warn_other_layouts(kv: Any, config: RayKVConfig, layout: str) -> None:
@@ -501,6 +510,7 @@ __all__ = [
     "prompt_tail",
     "tail_candidates",
     "tail_hash",
+    "tail_hashes",
     "tail_spans",
     "view_tiers",
     "rank_spans",
