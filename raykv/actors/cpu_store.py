@@ -161,6 +161,8 @@ class CPUStoreActor:
             evicted += ev
             if n == len(sizes) or not wait:
                 return n, evicted
+            if not store.could_fit(sum(sizes), spare):
+                break  # more than pins and reservations hold: waiting cannot help
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -215,11 +217,35 @@ class CPUStoreActor:
         store = self._store
         ack = CPUAck(self._incarnation)
         ack.present, todo = store.split(keys)
+        copying = self._copying
+        if any(k in copying for k in todo):  # being written by another put: left to it
+            ack.present += [k for k in todo if k in copying]
+            todo = {k: i for k, i in todo.items() if k not in copying}
         if not todo:
             ack.refs = self._readable(keys)
-            return ack
+            return self._record(ack)  # numbered: the manager orders it among the others
+        mine = list(todo)
+        copying.update(mine)
         try:
-            arrays = await batch[0]
+            return await self._put(ack, keys, metas, batch[0], todo, lookup_id, priority, prefix)
+        finally:
+            copying.difference_update(mine)
+            self._cancelled.difference_update(mine)
+
+    async def _put(
+        self,
+        ack: CPUAck,
+        keys: list[CacheKey],
+        metas: list[PayloadMeta],
+        source: ray.ObjectRef,
+        todo: dict[CacheKey, int],
+        lookup_id: str | None,
+        priority: float | None,
+        prefix: list[CacheKey] | None,
+    ) -> CPUAck:
+        store = self._store
+        try:
+            arrays = await source
         except Exception as exc:  # the writer died before we read its batch
             logger.warning("put: cannot read the batch object (%s); nothing cached", exc)
             ack.skipped = list(todo)
@@ -246,13 +272,18 @@ class CPUStoreActor:
                 store.release(nbytes)
                 ref = None
             del parts, arrays
+            # Keys removed (or the tier cleared) while the copy ran are not cached after all.
+            kept = [j for j, k in enumerate(taken) if k not in self._cancelled]
             if ref is None:
                 self._skip(ack, taken, reason="the object store refused the batch")
+            elif not kept:
+                store.release(nbytes)
             else:
                 added = store.commit(
                     ref,
-                    taken,
-                    [metas[todo[k]] for k in taken],
+                    [taken[j] for j in kept],
+                    [metas[todo[taken[j]]] for j in kept],
+                    kept,
                     batch_bytes=nbytes,
                     reserved=nbytes,
                     lookup_id=lookup_id,
@@ -260,8 +291,8 @@ class CPUStoreActor:
                     priority=priority,
                 )
                 ack.accepted = [k for k in taken if k in added]
-                # Put meanwhile by another request: the first put wins.
-                ack.present += [k for k in taken if k not in added]
+                # Put meanwhile by another request (a pull): the first put wins.
+                ack.present += [k for k in taken if k not in added and k in store]
                 if added:
                     metrics.inc("raykv_stored_bytes", nbytes, tier=TIER_CPU)
         if ack.evicted or taken:  # a reservation ended: room a waiting put may take
@@ -438,6 +469,15 @@ class CPUStoreActor:
                 self._signal_room()
                 n, reason = 0, f"copying from the source failed: {exc}"
         del arrays
+        if n and self._cancelled and any(k in self._cancelled for k in keys):
+            # removed (or the tier cleared) while the copy ran: not cached after all
+            kept = [j for j, k in enumerate(keys) if k not in self._cancelled]
+            index = kept if index is None else [index[j] for j in kept]
+            keys, metas = [keys[j] for j in kept], [metas[j] for j in kept]
+            if not keys:
+                store.release(nbytes)
+                self._signal_room()
+                return {}
         if not n:
             self._skip(ack, keys, reason)
             return {}

@@ -158,10 +158,14 @@ class TierSet:
             self.drop_probe()  # the server may have been re-created: find it again
         try:
             if tier == TIER_CPU:
-                inc, snap, seq = await asyncio.wait_for(
-                    handle.snapshot.remote(), CONTROL_TIMEOUT_SECS
-                )
-                self.index.reset_cpu(inc, snap, seq)
+                self.index.begin_cpu_resync()
+                try:
+                    inc, snap, seq = await asyncio.wait_for(
+                        handle.snapshot.remote(), CONTROL_TIMEOUT_SECS
+                    )
+                    self.index.reset_cpu(inc, snap, seq)
+                finally:
+                    self.index.end_cpu_resync()
             else:
                 inc_ref, keys_ref = handle.incarnation.remote(), handle.keys.remote()
                 inc = await asyncio.wait_for(inc_ref, CONTROL_TIMEOUT_SECS)

@@ -75,6 +75,7 @@ class ByteBudgetIndex:
         self._reserved: dict[Hashable, int] = {}
         self._waiting: dict[Hashable, list[_Chain]] = {}  # pending key -> chains to place
         self._spared: dict[Hashable, int] = {}  # key -> puts admitting its request
+        self._unplaced: set[Hashable] = set()  # complete, not yet in the policy
         self.used = 0
         self.reserved = 0
 
@@ -117,6 +118,10 @@ class ByteBudgetIndex:
         """
         if size > self.capacity - self.reserved:
             return False, []
+        if self.used + self.reserved + size > self.capacity and size > (
+            self.capacity - self.reserved - self._held_bytes()
+        ):
+            return False, []  # even evicting every evictable entry would not make room
         victims: list[tuple[Hashable, int]] = []
         while self.used + self.reserved + size > self.capacity:
             victim = self._evict_one(incoming=key)
@@ -128,6 +133,13 @@ class ByteBudgetIndex:
             self._reserved[key] = size
             self.reserved += size
         return fits, victims
+
+    def _held_bytes(self) -> int:
+        """Bytes of complete entries that cannot be evicted now: those not yet placed in
+        the policy and the spared ones (a few requests' keys: cheap to sum)."""
+        sizes, unplaced = self._sizes, self._unplaced
+        held = sum(sizes[k] for k in unplaced)
+        return held + sum(sizes.get(k, 0) for k in self._spared if k not in unplaced)
 
     def spare(self, keys: Iterable[Hashable]) -> None:
         """Keep `keys` (a request's chain being admitted) from eviction until the matching
@@ -166,6 +178,7 @@ class ByteBudgetIndex:
                 policy.touch(key)
             elif key in sizes:
                 policy.insert(key, priority=chain.priority)
+                self._unplaced.discard(key)
         if chain.spared:
             spared = self._spared
             for key in seen:
@@ -189,8 +202,13 @@ class ByteBudgetIndex:
     def commit(self, key: Hashable, size: int) -> None:
         """Turn `key`'s reservation into an entry of its real size (at most the reservation)."""
         self.reserved -= self._reserved.pop(key, 0)
+        old = self._sizes.get(key)
+        if old is not None:  # committed again (a rewrite): replaced, not added
+            self.used -= old
         self._sizes[key] = size
         self.used += size
+        if key not in self._policy:
+            self._unplaced.add(key)
         self._wake(key)
 
     def unreserve(self, key: Hashable) -> None:
@@ -206,12 +224,14 @@ class ByteBudgetIndex:
         self._sizes[key] = size
         self.used += size
         self._policy.insert(key)
+        self._unplaced.discard(key)
 
     def discard(self, key: Hashable) -> int | None:
         size = self._sizes.pop(key, None)
         if size is not None:
             self.used -= size
             self._policy.remove(key)
+            self._unplaced.discard(key)
         return size
 
     def shrink(self) -> list[tuple[Hashable, int]]:
@@ -230,6 +250,7 @@ class ByteBudgetIndex:
         for key in keys:
             self._policy.remove(key)
         self._sizes.clear()
+        self._unplaced.clear()
         self.used = 0
         return keys
 

@@ -216,6 +216,10 @@ class CPUStore:
         can_evict, held = self._spare(spare)
         return self._make_room(nbytes, can_evict, self.obtainable_bytes - held)
 
+    def could_fit(self, nbytes: int, spare: Iterable[CacheKey] = ()) -> bool:
+        """Whether `nbytes` would fit once every pin and reservation has ended."""
+        return nbytes <= self.capacity - self._spare(spare)[1]
+
     def allocate(
         self, sizes: Sequence[int], *, partial: bool, spare: Iterable[CacheKey] = ()
     ) -> tuple[int, list[CacheKey]]:
@@ -345,6 +349,9 @@ class CPUStore:
         return n
 
     def clear(self) -> None:
+        if self._on_release is not None:  # each live batch let go, as `_drop` does
+            for batch in {id(e.batch): e.batch for e in self._entries.values()}.values():
+                self._on_release(batch.ref, batch.nbytes)
         self._entries.clear()
         self._leases.clear()
         self._pinned.clear()

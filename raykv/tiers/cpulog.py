@@ -89,6 +89,17 @@ class CPULog:
         unknown = set(tiers) - set(LOGGED_TIERS)
         if unknown:
             raise InvalidInputError(f"the log records {LOGGED_TIERS}, not {sorted(unknown)}")
+        if cursor is not None and not (
+            isinstance(cursor, (tuple, list))
+            and len(cursor) == 3
+            and isinstance(cursor[0], str)
+            and all(isinstance(c, int) and not isinstance(c, bool) for c in cursor[1:])
+        ):
+            raise InvalidInputError(f"cursor={cursor!r} is not one this log handed out")
+        try:
+            identity = tuple(identity)
+        except TypeError:
+            raise InvalidInputError(f"identity={identity!r} is not a key identity") from None
         self._watched = self._watched | set(tiers)
         now = (self._id, self._next, sum(self._losses[t] for t in tiers))
         if cursor is None or (cursor[0], cursor[2]) != (now[0], now[2]):
@@ -96,7 +107,6 @@ class CPULog:
         start = cursor[1] - (self._next - len(self._ring))
         if start < 0 or cursor[1] > self._next:
             return now, None
-        identity = tuple(identity)
         events = [
             (admitted, tier, key.chunk_hash)
             for admitted, tier, key in itertools.islice(self._ring, start, None)

@@ -56,6 +56,11 @@ def tokens(ends: Sequence[int], n: int) -> int:
     return ends[n - 1] if n else 0
 
 
+def _changed(ack: CPUAck) -> frozenset[CacheKey]:
+    """The keys whose CPU index entry a CPU ack sets or drops."""
+    return frozenset((*ack.evicted, *ack.accepted, *ack.present))
+
+
 @dataclass(slots=True)
 class Lookup:
     """A lookup with pins or a prefetch in flight, until its get, unpin or lease end."""
@@ -113,9 +118,13 @@ class PrefixIndex:
         self.lookups: dict[str, Lookup] = {}
         self._ended_early = BoundedKeySet(ENDED_EARLY_MAX_IDS)
         # CPU ack sequence numbers: every ack up to `_cpu_mark` is applied (or was in the
-        # last snapshot); `_cpu_seen` holds those applied above it.
+        # last snapshot); `_cpu_seen` holds those applied above it, with the keys each
+        # changed (an older ack applied after them must not undo their evictions or
+        # admissions). `_cpu_log` records the acks applied while a snapshot is awaited.
         self._cpu_mark = 0
-        self._cpu_seen: set[int] = set()
+        self._cpu_seen: dict[int, frozenset[CacheKey]] = {}
+        self._cpu_log: list[CPUAck] | None = None
+        self._cpu_resyncs = 0
         self._cpu_checked: int | None = None  # the store's sequence number at the last check
         self.counts = dict.fromkeys(
             (
@@ -212,29 +221,56 @@ class PrefixIndex:
 
     def apply_cpu(self, ack: CPUAck) -> bool:
         """Apply a CPU put/pull reply. False if it came from another CPU store incarnation
-        (the index is then dropped; the caller resyncs) or predates the last snapshot."""
+        (the index is then dropped; the caller resyncs) or predates the last snapshot.
+
+        Replies may arrive out of order (concurrent calls): a key that a newer reply,
+        applied already, evicted or admitted keeps that reply's state.
+        """
         if ack.incarnation != self.incarnations.get(TIER_CPU):
             self.drop(TIER_CPU)
             return False
-        seq = ack.seq
-        if seq and (seq <= self._cpu_mark or seq in self._cpu_seen):
+        seq, seen = ack.seq, self._cpu_seen
+        if seq and (seq <= self._cpu_mark or seq in seen):
             self.counts["stale_acks"] += 1
             return False
+        newer = frozenset().union(*(ks for s, ks in seen.items() if s > seq)) if seq else ()
+        self._apply_cpu_effects(ack, newer)
         if seq:
-            self._cpu_seen.add(seq)
-            while self._cpu_mark + 1 in self._cpu_seen:
-                self._cpu_mark += 1
-                self._cpu_seen.discard(self._cpu_mark)
-        for key in ack.evicted:
+            seen[seq] = _changed(ack)
+            self._advance_cpu_mark()
+        if self._cpu_log is not None:
+            self._cpu_log.append(ack)
+        return True
+
+    def _apply_cpu_effects(self, ack: CPUAck, skip: Collection[CacheKey] = ()) -> None:
+        evicted = [k for k in ack.evicted if k not in skip]
+        for key in evicted:
             self.cpu.pop(key, None)
         for key in (*ack.accepted, *ack.present):
             chunk = ack.refs.get(key)
-            if chunk is not None:
+            if chunk is not None and key not in skip:
                 self.cpu[key] = chunk
         if self.reporter is not None:
-            self.reporter.evicted(TIER_CPU, ack.evicted)
-            self.reporter.admitted(TIER_CPU, ack.accepted)
-        return True
+            self.reporter.evicted(TIER_CPU, evicted)
+            self.reporter.admitted(TIER_CPU, [k for k in ack.accepted if k not in skip])
+
+    def _advance_cpu_mark(self) -> None:
+        seen = self._cpu_seen
+        while self._cpu_mark + 1 in seen:
+            self._cpu_mark += 1
+            del seen[self._cpu_mark]
+
+    def begin_cpu_resync(self) -> None:
+        """A snapshot was asked for: record the acks applied until `end_cpu_resync`, so
+        that `reset_cpu` keeps those newer than the snapshot."""
+        self._cpu_resyncs += 1
+        if self._cpu_log is None:
+            self._cpu_log = []
+
+    def end_cpu_resync(self) -> None:
+        self._cpu_resyncs = max(0, self._cpu_resyncs - 1)
+        if not self._cpu_resyncs:
+            self._cpu_log = None
 
     def cpu_lagging(self, incarnation: str, seq: int) -> bool:
         """Called periodically with the CPU store's incarnation and last ack number: True
@@ -246,14 +282,18 @@ class PrefixIndex:
         return previous is not None and self._cpu_mark < previous
 
     def reset_cpu(self, incarnation: str, snapshot: dict[CacheKey, ChunkRef], seq: int) -> None:
-        """Replace the CPU index with the store's snapshot taken at ack sequence `seq`."""
+        """Replace the CPU index with the store's snapshot taken at ack sequence `seq`,
+        then re-apply the acks newer than it that were applied while it was awaited."""
         self.cpu = dict(snapshot)
         same = incarnation == self.incarnations.get(TIER_CPU)
+        log = self._cpu_log
         self._cpu_mark, self._cpu_checked = seq, None
-        self._cpu_seen = {s for s in self._cpu_seen if s > seq} if same else set()
-        while self._cpu_mark + 1 in self._cpu_seen:
-            self._cpu_mark += 1
-            self._cpu_seen.discard(self._cpu_mark)
+        self._cpu_seen = {s: ks for s, ks in self._cpu_seen.items() if s > seq} if same else {}
+        for ack in sorted(log or (), key=lambda a: a.seq):
+            if ack.seq > seq and ack.incarnation == incarnation:
+                self._apply_cpu_effects(ack)
+                self._cpu_seen[ack.seq] = _changed(ack)
+        self._advance_cpu_mark()
         for rec in self.lookups.values():
             if rec.cpu_incarnation != incarnation:
                 rec.refs.clear()  # objects of a dead CPU store are gone
@@ -279,14 +319,14 @@ class PrefixIndex:
             self.cpu.clear()
         else:
             self.lower[tier].clear()
+        if self.reporter is not None:
+            self.reporter.lost(tier)  # listings built on what it held are stale
 
     def mark_down(self, tier: str) -> None:
         """`tier`'s actor is dead: serve nothing from it until `reset_*` after re-creation."""
-        self.drop(tier)
+        self.drop(tier)  # says `lost` to the reporter
         self.down.add(tier)
         self.incarnations[tier] = None
-        if self.reporter is not None:
-            self.reporter.lost(tier)
 
     # ----- lower-tier index upkeep -----
 
@@ -314,6 +354,8 @@ class PrefixIndex:
             if stale:
                 self.lower[tier].difference_update(stale)
                 self.counts["stale_positives"] += len(stale)
+                if self.reporter is not None and tier != TIER_REMOTE:
+                    self.reporter.evicted(tier, list(stale))
         if ack.refs:
             self.lower[tier].update(ack.refs)
 

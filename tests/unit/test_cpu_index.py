@@ -138,13 +138,16 @@ def test_prefix_closed_touch_evicts_deeper_chunks_first():
     assert evicted == [key(i) for i in (3, 4, 5, 2, 1, 0)]
 
 
-def test_clear_empties_everything():
-    store = CPUStore(4 * CHUNK)
-    put(store, [0, 1])
+def test_clear_empties_everything_and_lets_each_batch_go_once():
+    released = []
+    store = CPUStore(4 * CHUNK, on_release=lambda ref, n: released.append((ref.name, n)))
+    put(store, [0, 1], "a")
+    put(store, [2], "b")
     store.pin("L", [key(0)])
     store.clear()
     assert len(store) == 0 and store.used_bytes == 0 and store.stats()["leases"] == 0
     assert store.unpin("L") == 0
+    assert sorted(released) == [("a", 2 * CHUNK), ("b", CHUNK)]  # the handout hold's cue
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "sieve", "lfu"])
@@ -349,6 +352,111 @@ def test_a_put_waiting_for_room_proceeds_when_another_puts_reservation_ends(monk
     first, second, waited = asyncio.run(run())
     assert first.accepted == [key(0), key(1)] and second.accepted == [key(2), key(3)]
     assert waited < 2.0, f"the second put slept {waited:.1f} s"
+
+
+def _slow_puts(monkeypatch, cs, seconds: float):
+    """Every ray.put runs on a thread and takes `seconds`; the event is set at its start."""
+    import threading
+    import time
+
+    from raykv.actors import common
+
+    monkeypatch.setattr(common, "THREAD_PUT_BYTES", 0)
+    started = threading.Event()
+
+    def slow_put(value):
+        started.set()
+        time.sleep(seconds)
+        return FakeRef(f"own copy of {len(value)}")
+
+    monkeypatch.setattr(cs.ray, "put", slow_put)
+    return started
+
+
+def _during_a_slow_put(monkeypatch, actor, cs, ids, then):
+    """Put `ids` with a ray.put that takes 0.2 s; once it runs, await `then()`. (The
+    put's ack, what `then` returned.)"""
+    import asyncio
+
+    started = _slow_puts(monkeypatch, cs, 0.2)
+
+    async def run():
+        put = asyncio.create_task(_put_ids(actor, ids))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        meanwhile = await then()
+        return await put, meanwhile
+
+    return asyncio.run(run())
+
+
+async def _put_ids(actor, ids):
+    import asyncio
+
+    import numpy as np
+
+    batch = asyncio.get_running_loop().create_future()
+    batch.set_result([np.zeros(CHUNK, dtype=np.uint8) for _ in ids])
+    return await actor.put([key(i) for i in ids], [meta()] * len(ids), [batch])
+
+
+def test_concurrent_puts_of_a_shared_prefix_copy_and_charge_it_once(monkeypatch):
+    """Two requests storing one new system prompt at once: the second copied and charged
+    the shared chunks again (its object's bytes counted until its last chunk went)."""
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    first, second = _during_a_slow_put(
+        monkeypatch, actor, cs, [0, 1], lambda: _put_ids(actor, [0, 1, 2])
+    )
+    store = actor._store
+    assert first.accepted == [key(0), key(1)] and second.accepted == [key(2)]
+    assert set(second.present) == {key(0), key(1)}
+    assert store.used_bytes == store.live_bytes == 3 * CHUNK and store.reserved_bytes == 0
+
+
+def test_a_put_that_cannot_fit_takes_what_fits_at_once(monkeypatch):
+    """More than the tier can ever hold: it waited out `blocking_timeout_secs` first."""
+    import asyncio
+    import time
+
+    cs, actor = _bare_actor(monkeypatch, 2 * CHUNK)
+    actor._timeout = 5.0
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+    t0 = time.monotonic()
+    ack = asyncio.run(_put_ids(actor, [0, 1, 2]))
+    assert time.monotonic() - t0 < 1.0
+    assert ack.accepted == [key(0), key(1)] and ack.skipped == [key(2)]
+
+
+def test_a_key_removed_while_its_put_copies_is_not_cached(monkeypatch):
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    ack, _ = _during_a_slow_put(monkeypatch, actor, cs, [0, 1], lambda: actor.remove([key(1)]))
+    store = actor._store
+    assert ack.accepted == [key(0)] and key(1) not in ack.present and key(1) not in store
+    assert store.reserved_bytes == 0 and store.live_bytes == CHUNK
+    assert not actor._copying and not actor._cancelled
+
+
+def test_a_key_removed_while_a_peer_copy_runs_is_not_cached(monkeypatch):
+    import asyncio
+
+    import numpy as np
+
+    cs, actor = _bare_actor(monkeypatch, 8 * CHUNK)
+    started = _slow_puts(monkeypatch, cs, 0.2)
+
+    async def run():
+        peer = asyncio.get_running_loop().create_future()
+        peer.set_result([np.zeros(CHUNK, np.uint8), np.zeros(CHUNK, np.uint8)])
+        keys = [key(0), key(1)]
+        adopt = asyncio.create_task(actor.adopt(keys, [meta()] * 2, [(peer, 0), (peer, 1)]))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await actor.remove([key(0)])
+        return await adopt
+
+    ack = asyncio.run(run())
+    assert ack.accepted == [key(1)] and key(0) not in actor._store
+    assert actor._store.chunk_refs([key(1)])[0].index == 1  # its place in the copy
 
 
 # ----- payloads whose size is not their meta's (#13 defect 4) -----

@@ -111,3 +111,14 @@ def test_nothing_is_recorded_for_the_disk_tier_until_a_reader_asks_for_it():
     assert log.since(cursor, ID) == (cursor, [])  # not numbered: nobody reads disk events
     with pytest.raises(InvalidInputError, match="remote"):
         log.since_tiers(None, ID, ("remote",))
+
+
+@pytest.mark.parametrize(
+    "cursor, identity",
+    [(("id", 5), ID), (("id", "5", 0), ID), ("id-5-0", ID), (None, None), (None, 7)],
+)
+def test_a_malformed_cursor_or_identity_is_a_clear_error(cursor, identity):
+    """They reach the manager from any client (`KVCache.cpu_events`): an IndexError or a
+    TypeError from inside the log named nothing."""
+    with pytest.raises(InvalidInputError, match="cursor|identity"):
+        CPULog().since(cursor, identity)

@@ -212,6 +212,34 @@ def test_acks_in_flight_at_a_check_are_not_lagging_once_they_arrive():
     assert ix.cpu_lagging("cpu-1", 4) is False
 
 
+def test_an_older_cpu_ack_applied_late_does_not_undo_a_newer_ones_changes():
+    """Replies of concurrent CPU calls arrive in any order: a key a newer reply evicted
+    (or admitted) keeps that state; else the index lists a chunk the store dropped, and
+    its reference keeps the object alive outside the tier's budget."""
+    ix = index()
+    ix.apply_cpu(ack([key(0), key(1)], 1))
+    ix.apply_cpu(ack([key(2)], 3, evicted=[key(0)]))  # ack 3 evicted key 0
+    ix.apply_cpu(ack([key(0), key(1)], 2))  # ack 2 named key 0 present: too late
+    assert key(0) not in ix.cpu and key(1) in ix.cpu and key(2) in ix.cpu
+    ix.apply_cpu(ack([key(5)], 5))  # ack 5 re-admitted key 5 ...
+    ix.apply_cpu(ack([key(6)], 4, evicted=[key(5)]))  # ... after ack 4 evicted it
+    assert key(5) in ix.cpu and key(6) in ix.cpu
+    assert ix.cpu_lagging("cpu-1", 5) is False and ix.cpu_lagging("cpu-1", 5) is False
+
+
+def test_a_resync_keeps_the_acks_applied_while_its_snapshot_was_awaited():
+    ix = index()
+    ix.apply_cpu(ack([key(0)], 1))
+    ix.begin_cpu_resync()
+    ix.apply_cpu(ack([key(3)], 3, evicted=[key(0)]))  # newer than the snapshot below
+    ix.reset_cpu("cpu-1", {key(0): ref(0)}, 2)  # taken at ack 2, before ack 3
+    ix.end_cpu_resync()
+    assert key(0) not in ix.cpu and key(3) in ix.cpu
+    assert ix.cpu_lagging("cpu-1", 3) is False and ix.cpu_lagging("cpu-1", 3) is False
+    ix.apply_cpu(ack([key(4)], 4))
+    assert key(4) in ix.cpu and ix._cpu_log is None
+
+
 def test_another_cpu_incarnation_is_lagging_at_once():
     ix = index()
     assert ix.cpu_lagging("cpu-2", 0) is True
@@ -331,3 +359,24 @@ def test_unknown_tiers_are_refused():
         PrefixIndex(["cpu", "tape"], lease_secs=1.0)
     with pytest.raises(InvalidInputError, match="search_range"):
         index().tiers_for(["tape"])
+
+
+def test_a_stale_disk_entry_or_a_dropped_tier_reaches_the_event_log():
+    """The connector's CPU view lists what the log says: a disk file found missing by a
+    pull, or a tier whose index was dropped, must leave it (else every request with that
+    prefix gets a view hit, a failed load and a recompute)."""
+    from raykv.tiers.cpulog import CPULog
+
+    log = CPULog()
+    ix = index(reporter=log)
+    cursor, _ = log.since_tiers(None, key(0).identity, [TIER_CPU, TIER_DISK])
+    ix.apply_lower(TIER_DISK, PutAck(accepted=[key(0), key(1)], incarnation="disk-1"))
+    ix.apply_pull(TIER_DISK, CPUAck("cpu-1", {}, missing=[key(1)]))
+    cursor, events = log.since_tiers(cursor, key(0).identity, [TIER_CPU, TIER_DISK])
+    assert events == [
+        (True, TIER_DISK, key(0).chunk_hash),
+        (True, TIER_DISK, key(1).chunk_hash),
+        (False, TIER_DISK, key(1).chunk_hash),
+    ]
+    ix.drop(TIER_DISK)  # a resync that failed
+    assert log.since_tiers(cursor, key(0).identity, [TIER_CPU, TIER_DISK])[1] is None
