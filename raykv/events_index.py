@@ -167,6 +167,8 @@ class BlockIndex:
             self._local.pop(source, None)
             self._shared.pop(source, None)
             self._ids.pop(source, None)
+            if not (self._local or self._shared or self._ids):
+                self.block_size = None  # the next replicas may run another block size
 
     # ----- scoring -----
 
@@ -242,6 +244,7 @@ class EventSubscriber:
             "unapplied": 0,
             "gaps": 0,
             "refused": 0,
+            "restarts": 0,
         }
         self._decoder: Any = None
         self._zmq: Any = None
@@ -261,6 +264,25 @@ class EventSubscriber:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        """Serve the feeds; after an unexpected error, forget what they said (a replica's
+        sets would go stale for good, crediting it with blocks it evicted) and start over,
+        backing off."""
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                self._serve()
+                return
+            except Exception:  # a router must keep routing, by load meanwhile
+                logger.exception("the KV-event subscriber failed; again in %.1f s", delay)
+                with self._lock:
+                    sources = list(self._wanted)
+                for source in sources:
+                    self.index.forget(source)
+                self.counts["restarts"] += 1
+            self._stop.wait(delay)
+            delay = min(2 * delay, 30.0)
+
+    def _serve(self) -> None:
         # Imported here, not on the router's event loop (vLLM's module imports torch).
         import msgspec
         import zmq
@@ -303,8 +325,6 @@ class EventSubscriber:
                         except zmq.Again:
                             break
                         self._receive(feed, frames, replay)
-        except Exception:  # a router must keep routing: scoring by stale sets is safe
-            logger.exception("the KV-event subscriber stopped")
         finally:
             for sock in sockets:
                 sock.close(linger=0)

@@ -47,6 +47,7 @@ import asyncio
 import inspect
 import logging
 import random
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -247,6 +248,35 @@ def router_tokenizer(name_or_path: str | None) -> Any:
         return None
 
 
+class TokenizerLoading:
+    """A router's tokenizer, loaded on a thread: `initialize_state` runs on Serve's router
+    loop, which a Hub download or a slow disk would hold (every deployment's routing in
+    that process waiting). Until it is loaded, text prompts are routed by load."""
+
+    def __init__(self, name_or_path: str) -> None:
+        self._tokenizer: Any = None
+        self.ready = threading.Event()
+        threading.Thread(
+            target=self._load, args=(name_or_path,), name="raykv-router-tokenizer", daemon=True
+        ).start()
+
+    def _load(self, name_or_path: str) -> None:
+        try:
+            self._tokenizer = router_tokenizer(name_or_path)  # logs a failure
+        finally:
+            self.ready.set()
+
+    def __call__(self, text: str) -> Any:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise LookupError("the router's tokenizer is not loaded (yet)")
+        return tokenizer(text)
+
+
+def _tokenizer_for(name_or_path: str | None) -> TokenizerLoading | None:
+    return TokenizerLoading(name_or_path) if name_or_path else None
+
+
 # ----- routers -----
 
 
@@ -280,7 +310,7 @@ class CacheAwareRouter(RequestRouter):
         """Called by Serve with `request_router_kwargs`: the cache's key fields (so the
         router's chunk keys equal the replicas'), its namespace, and the routing knobs.
         `tokenizer` (the model's, a name or path) lets it route text prompts by prefix."""
-        self._tokenizer = router_tokenizer(tokenizer)
+        self._tokenizer = _tokenizer_for(tokenizer)
         self._keys = KeyMaker(
             model_name=model_name,
             world_size=world_size,
@@ -363,12 +393,18 @@ class CacheAwareRouter(RequestRouter):
         return cached
 
     def _summary(self, replica: RunningReplica) -> frozenset[int]:
-        reported = (replica.routing_stats or {}).get(STATS_KEY) or _NO_STATS
+        reported = (replica.routing_stats or {}).get(STATS_KEY)
+        if reported is None:
+            reported = _NO_STATS
         rid = replica.replica_id
         cached = self._reported.get(rid)
         if cached is not None and cached[0] is reported:
             return cached[1]
-        held = frozenset(reported)
+        try:  # ids as a list, or an array of uint64 (hashing equal to the ints)
+            held = frozenset(reported)
+        except TypeError:  # a replica's malformed report costs its hits, never a request
+            logger.warning("replica %s reported unusable prefix ids; ignored", rid)
+            held = frozenset()
         # A routed generation ages only when the replica's list itself changed: Serve hands
         # every replica new stats objects whenever any replica reports.
         if cached is None or held != cached[1]:
@@ -498,7 +534,7 @@ class EventsRouter(RequestRouter):
     ) -> None:
         from raykv.events_index import BlockIndex
 
-        self._tokenizer = router_tokenizer(tokenizer)
+        self._tokenizer = _tokenizer_for(tokenizer)
         self._raykv_events = raykv_events
         self._imbalance = imbalance_threshold
         self._min_match = min_match_blocks
@@ -536,6 +572,9 @@ class EventsRouter(RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "index"):  # after initialize_state (Serve calls it first)
             self._watch(replicas, every=True)  # replicas scaled down or replaced
+            live = {r.replica_id for r in replicas}
+            for gone in [rid for rid in self._routed if rid not in live]:
+                del self._routed[gone]  # also those that never advertised events
 
     def _request_ids(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:
@@ -578,6 +617,8 @@ class EventsRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any):
         """Remember the request's blocks on its replica until its engine's events say."""
         tokens = self._tokens.pop(pending_request.metadata.internal_request_id, None)
+        if replica_id not in self.curr_replicas:  # one just gone: nothing would forget it
+            return
         try:
             ids = self.index.request_ids(tokens) if tokens is not None and len(tokens) else []
         except Exception:
@@ -609,11 +650,52 @@ class RandomRouter(FIFOMixin, RequestRouter):
         return [[r] for r in order]
 
 
-def _check_options(router: type, options: dict[str, Any] | None) -> None:
+# Lower bounds of the routers' numeric options (min_match_ratio is also at most 1): a bad
+# value fails here, at deployment, not in the router's first request.
+_OPTION_MINIMA = {
+    "chunk_size": 1,
+    "world_size": 1,
+    "worker_id": 0,
+    "imbalance_threshold": 0,
+    "min_match_chunks": 0,
+    "min_match_blocks": 0,
+    "min_match_ratio": 0,
+    "history_size": 1,
+    "max_blocks": 1,
+    "controller_timeout_s": 0,
+    "stats_period_s": 0,
+}
+_POSITIVE = ("controller_timeout_s", "stats_period_s")
+
+
+def _check_options(router: type, options: Mapping[str, Any]) -> None:
+    """Known option names for `router`, numbers within their bounds."""
     known = set(inspect.signature(router.initialize_state).parameters) - {"self"}
-    unknown = sorted(set(options or {}) - known)
+    unknown = sorted(set(options) - known)
     if unknown:
         raise InvalidInputError(f"unknown router options {unknown}; known: {sorted(known)}")
+    _check_values(options)
+
+
+def _check_values(options: Mapping[str, Any]) -> None:
+    for name, value in options.items():
+        low = _OPTION_MINIMA.get(name)
+        if low is None:
+            continue
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        integral = name not in ("min_match_ratio", *_POSITIVE)
+        bad = not number or (integral and not isinstance(value, int)) or not value >= low
+        bad = bad or (name in _POSITIVE and not value > 0)
+        bad = bad or (name == "min_match_ratio" and not value <= 1)
+        if bad:
+            rule = (
+                "> 0"
+                if name in _POSITIVE
+                else "in [0, 1]"
+                if name == "min_match_ratio"
+                else f"an integer >= {low}"
+            )
+            raise InvalidInputError(f"router option {name}={value!r} is invalid; allowed: {rule}")
 
 
 def router_config(
@@ -631,6 +713,7 @@ def router_config(
     the KVController of `config.namespace`; `options` are further `initialize_state`
     keyword arguments (e.g. ``controller_timeout_s``, ``use_summaries``).
     """
+    _check_values({"stats_period_s": stats_period_s, "imbalance_threshold": imbalance_threshold})
     if router == "pow2":
         return RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
     if router == "random":
@@ -644,32 +727,34 @@ def router_config(
             request_routing_stats_period_s=stats_period_s,
         )
     if router == "cache_aware":
-        _check_options(CacheAwareRouter, options)
+        kwargs = {
+            "chunk_size": config.chunk_size,
+            "hash_seed": config.hash_seed,
+            "model_name": config.model_name,
+            "world_size": config.world_size,
+            "worker_id": config.worker_id,
+            "kv_dtype": config.kv_dtype,
+            "save_unfull_chunk": config.save_unfull_chunk,
+            "imbalance_threshold": imbalance_threshold,
+            "namespace": config.namespace,
+            "use_controller": (
+                config.enable_controller if use_controller is None else use_controller
+            ),
+            **(options or {}),
+        }
+        _check_options(CacheAwareRouter, kwargs)
         return RequestRouterConfig(
             request_router_class=CacheAwareRouter,
-            request_router_kwargs={
-                "chunk_size": config.chunk_size,
-                "hash_seed": config.hash_seed,
-                "model_name": config.model_name,
-                "world_size": config.world_size,
-                "worker_id": config.worker_id,
-                "kv_dtype": config.kv_dtype,
-                "save_unfull_chunk": config.save_unfull_chunk,
-                "imbalance_threshold": imbalance_threshold,
-                "namespace": config.namespace,
-                "use_controller": (
-                    config.enable_controller if use_controller is None else use_controller
-                ),
-                **(options or {}),
-            },
+            request_router_kwargs=kwargs,
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(stats_period_s, 5.0),
         )
     if router == "events":  # replicas must run `raykv.integrations.serve_llm.EventsServer`
-        _check_options(EventsRouter, options)
+        kwargs = {"imbalance_threshold": imbalance_threshold, **(options or {})}
+        _check_options(EventsRouter, kwargs)
         return RequestRouterConfig(
             request_router_class=EventsRouter,
-            request_router_kwargs={"imbalance_threshold": imbalance_threshold, **(options or {})},
+            request_router_kwargs=kwargs,
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(stats_period_s, 5.0),
         )

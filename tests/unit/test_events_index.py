@@ -3,6 +3,7 @@ KV events (vLLM's own and raykv's), and the ranking `EventsRouter` makes from it
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -258,3 +259,61 @@ def test_an_engine_client_without_sources_gives_no_endpoint() -> None:
 
     assert bound_endpoint(None) is None
     assert bound_endpoint(SimpleNamespace(get_kv_event_sources=lambda: {})) is None
+
+
+def test_replicas_redeployed_with_another_block_size_are_indexed() -> None:
+    """The first event fixed the block size for the router's life: after a redeploy
+    with another block size every event counted as foreign, routing by load for good."""
+    index = BlockIndex()
+    index.apply("old", [stored([11], PROMPT[:4])])
+    index.forget("old")
+    index.apply("new", [stored([21], PROMPT[:8], block_size=8)])
+    assert index.counts["foreign"] == 0 and len(index.request_ids(PROMPT)) == 2
+    assert index.matches(index.request_ids(PROMPT), ["new"]) == ({"new": 1}, 0)
+
+
+def test_a_subscriber_that_fails_forgets_its_feeds_and_starts_over(monkeypatch) -> None:
+    """Any unexpected error ended the thread for good, its sets frozen: replicas kept
+    credit for blocks they had since evicted."""
+    from raykv.integrations.serve_llm import bound_endpoint
+    from raykv.serve import events_endpoints
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    publisher = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+    )
+    real, fail = EventSubscriber._receive, threading.Event()
+
+    def fail_once(self, feed, frames, replay):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("a socket error nobody expected")
+        return real(self, feed, frames, replay)
+
+    monkeypatch.setattr(EventSubscriber, "_receive", fail_once)
+    index = BlockIndex()
+    subscriber = EventSubscriber(index)
+    try:
+        client = SimpleNamespace(get_kv_event_sources=lambda: {0: publisher._publisher_config})
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([11], PROMPT[:4])]))
+        time.sleep(0.5)
+        subscriber.watch({"r1": events_endpoints(bound_endpoint(client))})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and index.sizes()["local"] < 1:
+            time.sleep(0.05)
+        forgotten = []
+        monkeypatch.setattr(index, "forget", lambda source: forgotten.append(source))
+        fail.set()
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([12], PROMPT[4:8], 11)]))
+        while time.monotonic() < deadline and not subscriber.counts["restarts"]:
+            time.sleep(0.05)
+        assert subscriber.counts["restarts"] == 1 and forgotten == ["r1"]
+        monkeypatch.undo()  # a working _receive and forget again
+        publisher.publish(KVEventBatch(ts=time.time(), events=[stored([13], PROMPT[8:12], 12)]))
+        while time.monotonic() < deadline and index.sizes()["local"] < 3:
+            time.sleep(0.05)
+        assert subscriber._thread.is_alive()
+        assert index.matches(index.request_ids(PROMPT), ["r1"]) == ({"r1": 3}, 0)
+    finally:
+        subscriber.close()
+        publisher.shutdown()

@@ -167,7 +167,7 @@ def test_a_cache_aware_router_forgets_replicas_serve_no_longer_lists(monkeypatch
     assert "b" not in router._routed
 
 
-def test_an_events_router_given_array_tokens_routes_them_and_never_raises() -> None:
+def test_an_events_router_given_array_tokens_routes_them_and_never_raises(monkeypatch) -> None:
     """A handle call whose tokens are a numpy array: `tokens or []` raised (an array has no
     truth value), and the request was dropped by Serve's routing loop."""
     from collections import OrderedDict
@@ -177,6 +177,7 @@ def test_an_events_router_given_array_tokens_routes_them_and_never_raises() -> N
 
     from raykv import serve
 
+    monkeypatch.setattr(serve.EventsRouter, "curr_replicas", {"a": object()})
     router = object.__new__(serve.EventsRouter)
     router._tokens, router._tokenizer = OrderedDict(), None
     router.index = SimpleNamespace(request_ids=lambda tokens: [len(tokens)])
@@ -251,3 +252,103 @@ def test_a_text_prompt_is_encoded_once_however_often_serve_asks() -> None:
 
     states = asyncio.run(ask_three_times())
     assert encoded == ["hello"] and len(states[0][0]) == 4 and states[0] == states[2]
+
+
+def test_an_events_router_forgets_what_it_routed_to_replicas_gone_or_never_listed(
+    monkeypatch,
+) -> None:
+    """Replicas that never advertise events (plain LLMServer) left their routed blocks
+    behind for good, one set per replica id ever seen."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from raykv import serve
+
+    monkeypatch.setattr(serve.RequestRouter, "update_replicas", lambda self, replicas: None)
+    router = object.__new__(serve.EventsRouter)
+    router._tokens, router._tokenizer = OrderedDict(), None
+    router.index = SimpleNamespace(request_ids=lambda tokens: [len(tokens)], forget=lambda r: 0)
+    router._endpoints, router._subscriber = {}, None
+    router._routed = {"a": serve.RecentBlocks(), "b": serve.RecentBlocks()}
+    router.update_replicas([SimpleNamespace(replica_id="a", routing_stats=None)])
+    assert list(router._routed) == ["a"]
+    monkeypatch.setattr(serve.EventsRouter, "curr_replicas", {"a": object()})
+    router._tokens["r"] = list(range(8))
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"))
+    router.on_request_routed(pending, "gone", None)
+    assert "gone" not in router._routed and "r" not in router._tokens
+
+
+@pytest.mark.parametrize(
+    "reported, held",
+    [
+        ("array", {0, 1, 2, 3, 4}),  # uint64 ids: `or` on an array raised
+        ([[1, 2], [3]], set()),  # unhashable items: ignored, never raised
+        (None, set()),
+    ],
+)
+def test_a_replicas_reported_prefix_ids_in_any_form_never_raise(reported, held) -> None:
+    """A raise in choose_replicas ends Serve's routing task with the request taken off
+    its queue: the request would hang."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from raykv import serve
+
+    if reported == "array":
+        reported = np.arange(5, dtype=np.uint64)
+    router = object.__new__(serve.CacheAwareRouter)
+    router._use_summaries, router._history_size = True, 8
+    router._routed, router._routed_before, router._reported = {}, {}, {}
+    replica = SimpleNamespace(replica_id="a", routing_stats={serve.STATS_KEY: reported})
+    assert router.match(replica, [0, 1, 2]) == (3 if held else 0)
+    assert router._summary(replica) == held
+
+
+@pytest.mark.parametrize(
+    "router, options",
+    [
+        ("cache_aware", {"history_size": 0}),
+        ("cache_aware", {"min_match_ratio": 1.5}),
+        ("cache_aware", {"controller_timeout_s": 0}),
+        ("cache_aware", {"chunk_size": "256"}),
+        ("events", {"max_blocks": 0}),
+        ("events", {"imbalance_threshold": -1}),
+        ("events", {"min_match_blocks": True}),
+    ],
+)
+def test_router_options_out_of_bounds_fail_at_deployment(router, options) -> None:
+    """Such a value raised in the router itself: in `initialize_state` (every request
+    then waits for a router that never starts) or on each routed request."""
+    from raykv import RayKVConfig, serve
+    from raykv.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=next(iter(options))):
+        serve.router_config(router, RayKVConfig(), options=options)
+    with pytest.raises(InvalidInputError, match="stats_period_s"):
+        serve.router_config("pow2", RayKVConfig(), stats_period_s=0)
+    serve.router_config(router, RayKVConfig(), options={"min_match_ratio": 0.25})
+
+
+def test_a_routers_tokenizer_loads_off_serves_router_loop(monkeypatch) -> None:
+    """`initialize_state` runs on Serve's router loop: a tokenizer download held every
+    deployment's routing in that process. Meanwhile text prompts route by load."""
+    import time
+    from types import SimpleNamespace
+
+    from raykv import serve
+
+    def slow_load(name: str):
+        time.sleep(1.0)
+        return lambda text: {"input_ids": [len(text)]}
+
+    monkeypatch.setattr(serve, "load_tokenizer", slow_load)
+    router = object.__new__(serve.EventsRouter)
+    t0 = time.monotonic()
+    router.initialize_state(tokenizer="some/model")
+    assert time.monotonic() - t0 < 0.5
+    text = SimpleNamespace(args=(SimpleNamespace(prompt="hello"),), kwargs={})
+    assert serve.request_tokens(text, router._tokenizer) is None  # by load meanwhile
+    assert router._tokenizer.ready.wait(10)
+    assert serve.request_tokens(text, router._tokenizer) == [5]
