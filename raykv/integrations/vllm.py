@@ -296,6 +296,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         n = usable - num_computed_tokens
         if n <= 0:
             return 0, False
+        state.expect = usable
         state.sync_load = not self._async or (self._small(n) and not state.lower)
         if state.sync_load:
             return n, False
@@ -587,6 +588,10 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         num_scheduled: dict[str, int],
         meta: RayKVConnectorMetadata,
     ) -> None:
+        if state.expect and num_computed != state.expect:
+            if num_computed < state.expect:  # its load failed part-way: see `expect`
+                state.saved = min(state.saved, num_computed - num_computed % self._chunk)
+            state.expect = 0
         if not self._wait.isdisjoint(state.block_ids):
             return  # on a block loaded in-step lately: planned once vLLM saw its output
         limit = self.config.priority_limit  # as KVCache.store: above the limit, not stored

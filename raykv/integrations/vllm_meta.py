@@ -100,6 +100,10 @@ class RequestState:
     lower: bool = False  # answered from the view with chunks on disk: loaded async
     tail_saved: bool = False  # its prompt's partial last chunk was planned for saving
     load_planned: bool = False  # a load of its hit was sent to the workers
+    # Tokens computed once its answered hit is loaded (0: none pending). A request
+    # scheduled with fewer had a load fail part-way: vLLM recomputes from the first
+    # failed block, and those chunks (missing from raykv) are saved again.
+    expect: int = 0
 
 
 @dataclass(slots=True)

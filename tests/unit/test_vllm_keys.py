@@ -302,6 +302,34 @@ def test_with_several_ranks_a_request_loaded_in_step_saves_once_vllm_saw_that_st
     assert saves == [[(128, 256)] if i == planned_in else [] for i in range(3)]
 
 
+@pytest.mark.parametrize("computed", [2 * CHUNK, 4 * CHUNK])
+def test_chunks_a_failed_load_left_to_vllm_to_recompute_are_saved_again(computed):
+    """A hit of 4 chunks (answered from the CPU view: nothing pinned) whose last 2 were
+    evicted before its load: vLLM recomputes from the first failed block. Those chunks
+    were counted as saved and never stored again: a hole every later request stopped at."""
+    from types import SimpleNamespace
+
+    from raykv.integrations.vllm import RequestState
+
+    conn = _scheduler(1, 1)
+    req = request(TOKENS)
+    state = RequestState(req, "l", 0, hit=4 * CHUNK, saved=4 * CHUNK, expect=4 * CHUNK)
+    conn._requests, conn._pending_loads = {"r": state}, []
+    none = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(8)),), num_computed_tokens=computed)
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=1,
+        num_scheduled_tokens={"r": 4 * CHUNK - computed + 1},
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=none,
+    )
+    saves = [(s.start, s.end) for s in conn.build_connector_meta(step).saves]
+    assert saves == ([(2 * CHUNK, 4 * CHUNK)] if computed < 4 * CHUNK else [])
+    assert state.expect == (0 if computed < 4 * CHUNK else 4 * CHUNK)
+
+
 @pytest.mark.parametrize(("limit", "saved"), [(None, True), (1, True), (0, False)])
 def test_a_request_above_the_priority_limit_is_not_saved(limit, saved):
     """`priority_limit` (store only requests whose priority is at most this), as
