@@ -15,6 +15,7 @@ over pinned entries, however many there are.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class CPUStore:
         self._closed_secs = min(lease_secs, CLOSED_LOOKUP_SECS)
         self._clock = clock
         self._on_release = on_release  # gets (ref, bytes) of each batch the index lets go
+        self._chains: dict[int, Sequence[CacheKey]] = {}  # puts in flight: `hold_chain`
+        self._next_chain = 0
         self.used_bytes = 0  # physical: sum of the sizes of live batches
         self.pinned_bytes = 0  # physical bytes of live batches with a pinned chunk
         self.live_bytes = 0  # sum of the sizes of indexed chunks
@@ -178,14 +181,27 @@ class CPUStore:
 
     # ----- allocation -----
 
+    def hold_chain(self, keys: Sequence[CacheKey]) -> int:
+        """Spare `keys` (a put's request chain) from every allocation until `drop_chain`:
+        while its copy runs, another put must not evict the prefix it is adding to."""
+        self._next_chain += 1
+        self._chains[self._next_chain] = keys
+        return self._next_chain
+
+    def drop_chain(self, token: int) -> None:
+        self._chains.pop(token, None)
+
     def _spare(self, keys: Iterable[CacheKey]) -> tuple[Callable[[CacheKey], bool] | None, int]:
-        """A `can_evict` sparing the unpinned batches holding `keys`, and their bytes.
+        """A `can_evict` sparing the unpinned batches holding `keys` or a held chain, and
+        their bytes.
 
         A put spares its request's cached chunks: making room for the new, deeper chunks
         by evicting their own prefix would leave them dead weight. Only those batches'
         chunks are ever walked over (pinned ones are out of the policy).
         """
         entries = self._entries
+        if self._chains:
+            keys = itertools.chain(keys, *self._chains.values())
         spared = {e.batch for k in keys if (e := entries.get(k)) is not None and not e.batch.pins}
         if not spared:
             return None, 0

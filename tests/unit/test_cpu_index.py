@@ -413,6 +413,19 @@ def test_concurrent_puts_of_a_shared_prefix_copy_and_charge_it_once(monkeypatch)
     assert store.used_bytes == store.live_bytes == 3 * CHUNK and store.reserved_bytes == 0
 
 
+def test_a_put_in_flight_keeps_its_prefix_from_other_puts_evictions(monkeypatch):
+    """While a put's copy ran, another put could evict the prefix it was adding to: its
+    new chunk then entered with no parent, dead weight until evicted."""
+    cs, actor = _bare_actor(monkeypatch, 3 * CHUNK)
+    monkeypatch.setattr(cs.ray, "put", lambda value: FakeRef("own copy"))
+    put(actor._store, [0], "a")  # the older: LRU's first victim
+    put(actor._store, [9], "other")
+    first, second = _during_a_slow_put(monkeypatch, actor, cs, [0, 1], lambda: _put_ids(actor, [5]))
+    assert first.accepted == [key(1)] and second.accepted == [key(5)]
+    assert second.evicted == [key(9)] and key(0) in actor._store
+    assert not actor._store._chains
+
+
 def test_a_put_that_cannot_fit_takes_what_fits_at_once(monkeypatch):
     """More than the tier can ever hold: it waited out `blocking_timeout_secs` first."""
     import asyncio
