@@ -91,8 +91,8 @@ class CPUView:
         return None if where is None else len(where)
 
     def locate(self, chunk_hashes: list[str]) -> list[str] | None:
-        """The tier of each leading chunk of `chunk_hashes` the tiers hold (the first tier
-        that has it); None when the sets are not known or not fresh (after an idle spell:
+        """The tier of each leading chunk of `chunk_hashes` the tiers hold, in runs as the
+        manager reads them; None when the sets are not known or not fresh (after an idle spell:
         the call wakes the poller, and the next requests find them fresh), or when the
         first chunk missing is one this engine is saving right now."""
         now = time.monotonic()
@@ -102,12 +102,16 @@ class CPUView:
             self._wake.set()
             return None
         sets = [(tier, held[tier]) for tier in self._tiers]
+        # As the manager reads (`PrefixIndex.plan`): a run from the first tier, then one
+        # from the next, never back: a chunk only an earlier tier holds ends the prefix.
         where: list[str] = []
+        i = 0
         for h in chunk_hashes:
-            tier = next((t for t, keys in sets if h in keys), None)
-            if tier is None:
+            while i < len(sets) and h not in sets[i][1]:
+                i += 1
+            if i == len(sets):
                 break
-            where.append(tier)
+            where.append(sets[i][0])
         if len(where) < len(chunk_hashes) and self._being_saved(chunk_hashes[len(where)], now):
             return None  # this engine is saving it: the tier may have it already
         return where

@@ -219,10 +219,14 @@ def test_the_poller_thread_keeps_the_view_current_while_busy():
     assert not v._thread.is_alive()
 
 
-def test_a_cpu_and_disk_view_locates_each_chunk_in_the_first_tier_that_holds_it(view_of):
-    cache = FakeCache({"a", "c"}, disk={"b", "c"})
+def test_a_cpu_and_disk_view_locates_chunks_in_runs_as_the_manager_reads_them(view_of):
+    """A run from the CPU tier, then one from disk, never back (`PrefixIndex.plan`): a
+    chunk that only the CPU tier holds after a disk run ends the prefix (claimed, its
+    load failed and the request recomputed it)."""
+    cache = FakeCache({"a", "c", "e"}, disk={"b", "c"})
     v = view_of(cache, tiers=("cpu", "disk"))
-    assert v.locate(["a", "b", "c", "d"]) == ["cpu", "disk", "cpu"]
+    assert v.locate(["a", "b", "c", "e"]) == ["cpu", "disk", "disk"]
+    assert v.locate(["a", "c", "b"]) == ["cpu", "cpu", "disk"]
     cache.evict("c")
     cache.admit("d", tier="disk")
     cache.evict("b", tier="disk")
