@@ -39,9 +39,12 @@ from raykv.keys import CacheKey
 from raykv.payload import (
     EMPTY,
     LAYOUT_KV_2LTD,
+    ForeignRecordError,
     PayloadMeta,
+    buffer_problem,
     decode,
     encode_parts,
+    secret_tag,
 )
 from raykv.tiers.budget import (
     DEFAULT_EXPECTED_CHUNK_BYTES,
@@ -70,10 +73,20 @@ STAMP_DELAY_S = 2.0
 WRITTEN_ACK_TIMEOUT_SECS = 120.0
 
 
-def layout_digest(model_name: str, layout: str, kv_dtype: str, chunk_size: int) -> str:
-    """16 hex digits naming the directory of one (model, layout, dtype, chunk size)."""
-    text = "\x00".join((model_name, layout, kv_dtype, str(chunk_size)))
-    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+def layout_digest(
+    model_name: str, layout: str, kv_dtype: str, chunk_size: int, secret_name: str = ""
+) -> str:
+    """16 hex digits naming the directory of one (model, layout, dtype, chunk size) and
+    `payload_secret` (its public `secret_tag`; none: the plain records' directory), so
+    deployments keyed apart never index, evict or delete each other's files."""
+    parts = (
+        model_name,
+        layout,
+        kv_dtype,
+        str(chunk_size),
+        *((secret_name,) if secret_name else ()),
+    )
+    return xxhash.xxh3_64_hexdigest("\x00".join(parts).encode("utf-8"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -143,7 +156,13 @@ class DiskStore(DiskScan):
             )
         self.directory = os.path.join(
             os.path.abspath(os.fspath(root_dir)),
-            layout_digest(model_name, layout, kv_dtype, chunk_size),
+            layout_digest(
+                model_name,
+                layout,
+                kv_dtype,
+                chunk_size,
+                secret_tag(payload_secret) if payload_secret else "",
+            ),
         )
         self._layout = {
             "model_name": model_name,
@@ -343,14 +362,9 @@ class DiskStore(DiskScan):
             logger.warning("disk tier: skipping a chunk: %s", exc)
             ack.skipped.append(key)
             return True
-        nbytes = getattr(array, "nbytes", -1)
-        if nbytes != meta.nbytes:
-            logger.warning(
-                "disk tier: skipping %s: array has %s bytes, meta declares %d",
-                key,
-                nbytes,
-                meta.nbytes,
-            )
+        problem = buffer_problem(array, meta)
+        if problem is not None:
+            logger.warning("disk tier: skipping %s: %s", key, problem)
             ack.skipped.append(key)
             return True
         state = self._held(key)
@@ -514,6 +528,11 @@ class DiskStore(DiskScan):
             decoded = decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
+            self._drop(key, unlink=False)
+            return None
+        except ForeignRecordError as exc:  # well-formed, another secret's: not ours to delete
+            logger.warning("disk tier: not serving %s: %s", path, exc)
+            self._error("foreign")
             self._drop(key, unlink=False)
             return None
         except (OSError, PayloadError) as exc:

@@ -97,6 +97,49 @@ def store(tmp_path: Path):
     s.close()
 
 
+def test_stores_of_other_payload_secrets_keep_apart_and_never_delete_each_others_files(
+    tmp_path: Path,
+) -> None:
+    """Two deployments on one disk, keyed apart: each indexed the other's files into its
+    budget, then deleted them on read as corrupt (they are well-formed, only not its own)."""
+    plain = DiskStore(tmp_path, 1 << 20)
+    keyed = DiskStore(tmp_path, 1 << 20, payload_secret="s" * 16)
+    stores = [plain, keyed]
+    try:
+        assert plain.directory != keyed.directory
+        plain_dir = layout_digest("default", "KV_2LTD", "bfloat16", 256)
+        assert os.path.basename(plain.directory) == plain_dir  # as before secrets named dirs
+        put(plain, [1])
+        (path,) = files(plain)
+        planted = Path(keyed.directory) / path.parent.name / path.name  # a shared dir's
+        planted.parent.mkdir(parents=True)
+        planted.write_bytes(path.read_bytes())
+        stores.append(again := DiskStore(tmp_path, 1 << 20, payload_secret="s" * 16))
+        assert again.keys() == [key(1)]  # indexed at start by name
+        assert again.get([key(1)]) == [None]  # a miss ...
+        assert planted.exists() and again.keys() == []  # ... left in place, not counted
+        assert again.stats()["errors"] == 1
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_a_put_whose_meta_is_invalid_skips_that_chunk_and_stores_the_rest(store) -> None:
+    """A meta that skipped validation (unpickled with an unknown dtype) raised out of the
+    put after its first chunks were written: the manager indexed none of them."""
+    from raykv.payload import PayloadMeta
+
+    good, array = chunk(0)
+    bad = object.__new__(PayloadMeta)
+    for name in ("dtype", "shape", "layout"):
+        object.__setattr__(bad, name, getattr(good, name))
+    object.__setattr__(bad, "dtype", "bogus")
+    ack = store.put([key(0), key(1)], [good, bad], [array, chunk(1)[1]])
+    assert store.flush(5)
+    assert ack.accepted == [key(0)] and ack.skipped == [key(1)]
+    assert store.keys() == [key(0)]
+
+
 def test_put_then_get_returns_identical_bytes_and_meta(store: DiskStore) -> None:
     ack = put(store, range(3))
     assert ack.accepted == [key(i) for i in range(3)] and not ack.skipped and not ack.evicted
