@@ -253,9 +253,10 @@ class TierSet:
                 return None, False
             if self._probe is None:  # it could not be opened (counted by `_open_probe`)
                 return None, True
-        errors = self._probe.errors
-        found = await self._probe.contains(keys)
-        return found, self._probe.errors != errors
+        probe = self._probe  # a resync may drop it (`drop_probe`) during the await
+        errors = probe.errors
+        found = await probe.contains(keys)
+        return found, probe.errors != errors
 
     async def _open_probe(self, timeout: float) -> None:
         try:

@@ -275,8 +275,12 @@ class KVCache:
         args = (packed, True, lookup_id) if pin else (packed,)
         local = self._send("lookup_local", *args)  # the manager's answer is the longer way
         sent = probe.send(packed)
-        reply = self._reply("lookup_local", local, self._lookup_timeout, None)
-        hit = int(self._unless_fault(reply, lookup_id if pin else None, 0))
+        try:
+            reply = self._reply("lookup_local", local, self._lookup_timeout, None)
+            hit = int(self._unless_fault(reply, lookup_id if pin else None, 0))
+        except BaseException:  # its trial would stay open: this process's probe for good
+            probe.drop(sent)
+            raise
         if hit >= spans[-1].end:
             probe.drop(sent)
             return hit  # the server's answer is not needed

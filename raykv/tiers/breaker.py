@@ -92,6 +92,20 @@ class Breaker:
         return self._backoff
 
 
+# Errors that say the server cannot be reached (by class name anywhere in the exception's
+# MRO, so neither redis-py nor Ray is imported here): those open the breaker. Others (a
+# full Redis refusing writes, a batch whose owner died, a command the server refused)
+# cost that call only: the server answered, and its reads go on.
+_OUTAGES = frozenset(
+    ("ConnectionError", "TimeoutError", "RayActorError", "GetTimeoutError", "OSError")
+)
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether `error` says the remote cannot be reached (see `_OUTAGES`)."""
+    return any(cls.__name__ in _OUTAGES for cls in type(error).__mro__)
+
+
 _breakers: dict[tuple[str, str], Breaker] = {}
 _registry_lock = threading.Lock()
 
@@ -107,4 +121,4 @@ def breaker_for(remote: str, scope: str = "") -> Breaker:
         return breaker
 
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_MIN_S", "Breaker", "breaker_for"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_MIN_S", "Breaker", "breaker_for", "is_outage"]

@@ -43,7 +43,7 @@ from raykv.payload import (
     encode,
     secret_tag,
 )
-from raykv.tiers.breaker import Breaker, breaker_for
+from raykv.tiers.breaker import Breaker, breaker_for, is_outage
 from raykv.tiers.budget import check_put_lengths
 from raykv.wire import TIER_REMOTE, PutAck, join_parts, split_batch
 
@@ -249,7 +249,10 @@ class RedisBackend:
             metas.append(decoded.meta if decoded else None)
             arrays.append(decoded.data if decoded else EMPTY)
         if bad:
-            await self._client.unlink(*bad)
+            try:  # the batch is read: a failed clean-up (no UNLINK right) must not lose it
+                await self._client.unlink(*bad)
+            except Exception as exc:
+                logger.warning("redis tier: cannot delete %d bad values: %r", len(bad), exc)
         return metas, arrays
 
     def _verdict(self, key: CacheKey, head: bytes, length: int) -> str:
@@ -419,8 +422,9 @@ class RemoteStore:
         return trial
 
     def settle(self, op: str, trial: bool, exc: BaseException | None = None) -> None:
-        """After an admitted call: record its success, or its failure `exc`."""
-        changed = self.breaker.settle(trial, exc)
+        """After an admitted call: record its success, or its failure `exc` (which opens
+        the breaker only if it says the server cannot be reached: `is_outage`)."""
+        changed = self.breaker.settle(trial, exc if exc is not None and is_outage(exc) else None)
         if exc is None:
             if changed:
                 logger.info("remote tier %s is reachable again", self.url)
@@ -428,6 +432,11 @@ class RemoteStore:
         self._counts["errors"] += 1
         metrics.inc("raykv_remote_errors", 1, backend=self._scheme)
         reason = self._scrub(f"{type(exc).__name__}: {exc}")
+        if not is_outage(exc):
+            logger.warning(
+                "remote tier %s refused a %s (%s): that call missed", self.url, op, reason
+            )
+            return
         log = logger.warning if changed else logger.debug
         log(
             "remote tier %s failed on %s (%s); serving misses, retrying in %.1f s",

@@ -195,3 +195,28 @@ def test_a_wait_that_faults_releases_the_prefetchs_pins() -> None:
     client.unpin = lambda lookup_id, wait=True: unpinned.append((lookup_id, wait))  # type: ignore[method-assign]
     assert client.wait("lookup-1") == 0 and client.wait_sources("lookup-2") == (0, [])
     assert unpinned == [("lookup-1", False), ("lookup-2", False)]
+
+
+def test_a_lookup_that_raises_while_the_server_probe_is_out_ends_the_probes_trial() -> None:
+    """A manager error between the probe's send and its answer left its half-open trial
+    in flight for good: the breaker stayed shut and this process never probed again."""
+    from raykv.client.probe import ServerProbe
+    from raykv.errors import RayKVError
+    from raykv.tiers.breaker import Breaker
+
+    client, _ = faulty_client()
+    probe = object.__new__(ServerProbe)
+    probe.breaker = Breaker("ray://kv-test")
+    probe.breaker.settle(False, ConnectionError("down"))  # open: the next call is a trial
+    probe.breaker._retry_at = 0.0
+    probe.send = lambda packed: ("ref", probe.breaker.admit())  # type: ignore[method-assign]
+    client._probe = probe
+    client._send = lambda method, *args: "local"  # type: ignore[method-assign]
+
+    def reply(*args):
+        raise RayKVError("the manager refused the lookup")
+
+    client._reply = reply  # type: ignore[method-assign]
+    with pytest.raises(RayKVError):
+        client._lookup(SPANS, False, None)
+    assert probe.breaker.ready()  # the trial ended: the next lookup may try again

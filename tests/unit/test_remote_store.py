@@ -101,6 +101,56 @@ def test_a_hanging_remote_costs_a_bounded_miss_then_backs_off() -> None:
     asyncio.run(run())
 
 
+def test_an_error_of_a_reachable_server_costs_that_call_and_never_opens_the_breaker() -> None:
+    """A full Redis (maxmemory with noeviction) refuses every write: each put opened the
+    breaker, and reads Redis would serve missed (chunks the lookup counted as hits)."""
+    import redis.exceptions
+
+    backend = FakeBackend()
+    cfg = RayKVConfig(remote_url="redis://full-host:1/0", lookup_timeout_ms=100)
+    s = RemoteStore(cfg, backend=backend)
+    refusals = [
+        redis.exceptions.OutOfMemoryError("OOM command not allowed"),
+        RuntimeError("the batch's owner died"),
+    ]
+
+    async def refuse(keys, metas, batch, prefix=None):
+        backend.calls += 1
+        raise refusals.pop(0)
+
+    backend.put = refuse
+
+    async def run() -> None:
+        for _ in range(2):
+            ack = await s.put([key(3)], [META], [data(3)])
+            assert ack.skipped == [key(3)] and not ack.accepted
+            assert s.breaker.closed
+        metas, _ = await s.get_batch([key(1)])
+        assert metas == [META] and backend.calls == 3
+        stats = await s.stats()
+        assert stats["errors"] == 2 and stats["skipped_while_down"] == 0
+
+    asyncio.run(run())
+
+
+def test_which_errors_say_a_remote_cannot_be_reached() -> None:
+    import ray.exceptions
+    import redis.exceptions
+
+    down = [
+        redis.exceptions.ConnectionError("x"),
+        redis.exceptions.TimeoutError("x"),
+        redis.exceptions.BusyLoadingError("x"),
+        ConnectionRefusedError(),
+        asyncio.TimeoutError(),
+        ray.exceptions.GetTimeoutError(),
+        ray.exceptions.ActorDiedError(),
+    ]
+    up = [redis.exceptions.ResponseError("WRONGTYPE"), redis.exceptions.ReadOnlyError("x")]
+    assert all(breaker.is_outage(e) for e in down)
+    assert not any(breaker.is_outage(e) for e in up + [ValueError("x")])
+
+
 def test_failures_never_raise_and_never_show_the_password(caplog, monkeypatch) -> None:
     monkeypatch.setattr(breaker, "BACKOFF_MAX_S", 0.05)
     backend = FakeBackend()

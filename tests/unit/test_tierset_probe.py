@@ -123,3 +123,30 @@ def test_a_probe_that_cannot_be_opened_is_a_failed_remote_and_is_tried_again(
 
     assert asyncio.run(scenario()) == [(None, True)] * 2
     assert opener.calls == 2
+
+
+def test_a_probe_dropped_during_its_lookup_answers_that_lookup() -> None:
+    """A resync drops the probe (`drop_probe`) while a lookup's `contains` is in flight:
+    the lookup read `self._probe.errors` after its await and raised AttributeError."""
+
+    class _Waiting(_Probe):
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+
+        async def contains(self, keys: list) -> list[bool]:
+            await self.go.wait()
+            return [True] * len(keys)
+
+        async def close(self) -> None:
+            return None
+
+    async def scenario() -> tuple:
+        tiers = _bare_tierset()
+        tiers._probe = probe = _Waiting()
+        lookup = asyncio.ensure_future(tiers.probe_remote(["k"]))
+        await asyncio.sleep(0.01)
+        tiers._probe = None  # what `drop_probe` leaves
+        probe.go.set()
+        return await lookup
+
+    assert asyncio.run(scenario()) == ([True], False)
