@@ -373,7 +373,9 @@ class RemoteStore:
             breaker = breaker_for(self.url) if backend is None else Breaker(self.url)
         self.breaker = breaker
         self._server_id = ""  # last identity the server reported
-        self._counts = dict.fromkeys(("hits", "misses", "errors", "skipped_while_down"), 0)
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "errors", "refused", "skipped_while_down"), 0
+        )
         self.incarnation = uuid.uuid4().hex
 
     def __repr__(self) -> str:
@@ -433,8 +435,15 @@ class RemoteStore:
         metrics.inc("raykv_remote_errors", 1, backend=self._scheme)
         reason = self._scrub(f"{type(exc).__name__}: {exc}")
         if not is_outage(exc):
-            logger.warning(
-                "remote tier %s refused a %s (%s): that call missed", self.url, op, reason
+            self._counts["refused"] += 1
+            n = self._counts["refused"]
+            log = logger.warning if n & (n - 1) == 0 else logger.debug  # 1st, 2nd, 4th, ...
+            log(
+                "remote tier %s refused a %s (%s): that call missed (%d so far)",
+                self.url,
+                op,
+                reason,
+                n,
             )
             return
         log = logger.warning if changed else logger.debug

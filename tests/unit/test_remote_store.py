@@ -128,7 +128,7 @@ def test_an_error_of_a_reachable_server_costs_that_call_and_never_opens_the_brea
         metas, _ = await s.get_batch([key(1)])
         assert metas == [META] and backend.calls == 3
         stats = await s.stats()
-        assert stats["errors"] == 2 and stats["skipped_while_down"] == 0
+        assert stats["errors"] == stats["refused"] == 2 and stats["skipped_while_down"] == 0
 
     asyncio.run(run())
 
