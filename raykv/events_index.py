@@ -269,8 +269,12 @@ class EventSubscriber:
         backing off."""
         delay = 0.5
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self._serve()
+                return
+            except ImportError as exc:  # no vLLM or zmq here: nothing to subscribe with
+                logger.error("the KV-event subscriber cannot start (%r): routing by load", exc)
                 return
             except Exception:  # a router must keep routing, by load meanwhile
                 logger.exception("the KV-event subscriber failed; again in %.1f s", delay)
@@ -279,6 +283,8 @@ class EventSubscriber:
                 for source in sources:
                     self.index.forget(source)
                 self.counts["restarts"] += 1
+            if time.monotonic() - started > 60.0:
+                delay = 0.5  # it ran well for a while: a fresh failure backs off afresh
             self._stop.wait(delay)
             delay = min(2 * delay, 30.0)
 

@@ -104,7 +104,7 @@ class PutResult:
     """What `put` did in the CPU tier (disk and remote writes finish in the background)."""
 
     stored: int = 0  # chunks newly cached in CPU
-    present: int = 0  # chunks already cached (the first put of a key wins)
+    present: int = 0  # chunks already cached, or being cached by a put in flight (the first wins)
     skipped: int = 0  # chunks not cached in CPU: no unpinned room within the timeout
 
 

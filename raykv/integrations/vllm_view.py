@@ -150,7 +150,8 @@ class CPUView:
         if where is None:
             return None
         found = list(zip(spans, where, strict=False))
-        if tails is not None and (tail := self.tail(tails(len(where)))) is not None:
+        last = where[-1] if where else None
+        if tails is not None and (tail := self.tail(tails(len(where)), last)) is not None:
             if tail[1] is None:
                 return None  # this engine is saving it: the manager may have it already
             found.append(tail)
@@ -167,18 +168,20 @@ class CPUView:
             low = high
         return hit, sources
 
-    def tail(self, spans: list[Any]) -> tuple[Any, str | None] | None:
+    def tail(self, spans: list[Any], after: str | None = None) -> tuple[Any, str | None] | None:
         """The first of `spans` (a request's partial chunks, longest first) the sets hold,
         and its tier, or with tier None the first this engine is saving right now; None
-        if neither, or the sets are not known. A partial chunk read unpinned that is gone
-        by the load fails it, and vLLM recomputes it, as any stale answer of the view."""
+        if neither, or the sets are not known. `after`: the tier of the last whole chunk
+        (the manager reads on from that tier, never back). A partial chunk read unpinned
+        that is gone by the load fails it, and vLLM recomputes it, as any stale answer."""
         held = self._held  # one read: the poller may swap in new sets
         if held is None:
             return None
+        tiers = self._tiers[self._tiers.index(after) :] if after in self._tiers else self._tiers
         now = time.monotonic()
         for span in spans:
             h = span.key.chunk_hash
-            tier = next((t for t in self._tiers if h in held[t]), None)
+            tier = next((t for t in tiers if h in held[t]), None)
             if tier is not None:
                 return span, tier
             if self._being_saved(h, now):

@@ -75,7 +75,6 @@ class ByteBudgetIndex:
         self._reserved: dict[Hashable, int] = {}
         self._waiting: dict[Hashable, list[_Chain]] = {}  # pending key -> chains to place
         self._spared: dict[Hashable, int] = {}  # key -> puts admitting its request
-        self._unplaced: set[Hashable] = set()  # complete, not yet in the policy
         self.used = 0
         self.reserved = 0
 
@@ -114,14 +113,11 @@ class ByteBudgetIndex:
         """Reserve `size` bytes for `key`, evicting by policy: (fits, [(victim, size)]).
 
         Reserved entries cannot be evicted, so a request larger than
-        `capacity - reserved` fails at once without evicting anything.
+        `capacity - reserved` fails at once without evicting anything; one that fails
+        only after evicting (the rest is spared or not yet placed) keeps its victims.
         """
         if size > self.capacity - self.reserved:
             return False, []
-        if self.used + self.reserved + size > self.capacity and size > (
-            self.capacity - self.reserved - self._held_bytes()
-        ):
-            return False, []  # even evicting every evictable entry would not make room
         victims: list[tuple[Hashable, int]] = []
         while self.used + self.reserved + size > self.capacity:
             victim = self._evict_one(incoming=key)
@@ -132,14 +128,15 @@ class ByteBudgetIndex:
         if fits:
             self._reserved[key] = size
             self.reserved += size
+        elif victims:
+            # Bound to fail (what is left is spared or not yet placed): the victims stay,
+            # as the most recent (their files are untouched; the caller deletes victims).
+            for victim, nbytes in victims:
+                self._sizes[victim] = nbytes
+                self.used += nbytes
+                self._policy.insert(victim)
+            victims = []
         return fits, victims
-
-    def _held_bytes(self) -> int:
-        """Bytes of complete entries that cannot be evicted now: those not yet placed in
-        the policy and the spared ones (a few requests' keys: cheap to sum)."""
-        sizes, unplaced = self._sizes, self._unplaced
-        held = sum(sizes[k] for k in unplaced)
-        return held + sum(sizes.get(k, 0) for k in self._spared if k not in unplaced)
 
     def spare(self, keys: Iterable[Hashable]) -> None:
         """Keep `keys` (a request's chain being admitted) from eviction until the matching
@@ -178,15 +175,8 @@ class ByteBudgetIndex:
                 policy.touch(key)
             elif key in sizes:
                 policy.insert(key, priority=chain.priority)
-                self._unplaced.discard(key)
         if chain.spared:
-            spared = self._spared
-            for key in seen:
-                left = spared.get(key, 0) - 1
-                if left > 0:
-                    spared[key] = left
-                else:
-                    spared.pop(key, None)
+            uncount(self._spared, seen)
 
     def _wake(self, key: Hashable) -> None:
         """`key`'s write ended: place the chains that waited only for it."""
@@ -202,13 +192,8 @@ class ByteBudgetIndex:
     def commit(self, key: Hashable, size: int) -> None:
         """Turn `key`'s reservation into an entry of its real size (at most the reservation)."""
         self.reserved -= self._reserved.pop(key, 0)
-        old = self._sizes.get(key)
-        if old is not None:  # committed again (a rewrite): replaced, not added
-            self.used -= old
         self._sizes[key] = size
         self.used += size
-        if key not in self._policy:
-            self._unplaced.add(key)
         self._wake(key)
 
     def unreserve(self, key: Hashable) -> None:
@@ -224,14 +209,12 @@ class ByteBudgetIndex:
         self._sizes[key] = size
         self.used += size
         self._policy.insert(key)
-        self._unplaced.discard(key)
 
     def discard(self, key: Hashable) -> int | None:
         size = self._sizes.pop(key, None)
         if size is not None:
             self.used -= size
             self._policy.remove(key)
-            self._unplaced.discard(key)
         return size
 
     def shrink(self) -> list[tuple[Hashable, int]]:
@@ -250,9 +233,18 @@ class ByteBudgetIndex:
         for key in keys:
             self._policy.remove(key)
         self._sizes.clear()
-        self._unplaced.clear()
         self.used = 0
         return keys
+
+
+def uncount(counts: dict[Any, int], items: Iterable[Any]) -> None:
+    """Take one off the count of each of `items`, dropping those that reach 0."""
+    for item in items:
+        left = counts.get(item, 0) - 1
+        if left > 0:
+            counts[item] = left
+        else:
+            counts.pop(item, None)
 
 
 def check_put_lengths(keys: Sequence[Any], metas: Sequence[Any], arrays: Sequence[Any]) -> None:
@@ -376,4 +368,5 @@ __all__ = [
     "ByteBudgetIndex",
     "check_priority",
     "check_put_lengths",
+    "uncount",
 ]

@@ -15,7 +15,6 @@ over pinned entries, however many there are.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
 from raykv.policies import make_policy, touch_prefix
-from raykv.tiers.budget import check_priority
+from raykv.tiers.budget import check_priority, uncount
 from raykv.tiers.lease import Leases
 from raykv.wire import TIER_CPU, ChunkRef
 
@@ -124,8 +123,7 @@ class CPUStore:
         self._closed_secs = min(lease_secs, CLOSED_LOOKUP_SECS)
         self._clock = clock
         self._on_release = on_release  # gets (ref, bytes) of each batch the index lets go
-        self._chains: dict[int, Sequence[CacheKey]] = {}  # puts in flight: `hold_chain`
-        self._next_chain = 0
+        self._held: dict[_Batch, int] = {}  # batches of puts' chains in flight: `hold_chain`
         self.used_bytes = 0  # physical: sum of the sizes of live batches
         self.pinned_bytes = 0  # physical bytes of live batches with a pinned chunk
         self.live_bytes = 0  # sum of the sizes of indexed chunks
@@ -181,28 +179,33 @@ class CPUStore:
 
     # ----- allocation -----
 
-    def hold_chain(self, keys: Sequence[CacheKey]) -> int:
-        """Spare `keys` (a put's request chain) from every allocation until `drop_chain`:
-        while its copy runs, another put must not evict the prefix it is adding to."""
-        self._next_chain += 1
-        self._chains[self._next_chain] = keys
-        return self._next_chain
+    def hold_chain(self, keys: Sequence[CacheKey]) -> list[_Batch]:
+        """Spare the batches holding `keys` (a put's request chain, as cached now) from
+        every allocation until `drop_chain`: while its copy runs, another put must not
+        evict the prefix it is adding to. Returns the token for `drop_chain`."""
+        entries, held = self._entries, self._held
+        batches = list({id(e.batch): e.batch for k in keys if (e := entries.get(k))}.values())
+        for batch in batches:
+            held[batch] = held.get(batch, 0) + 1
+        return batches
 
-    def drop_chain(self, token: int) -> None:
-        self._chains.pop(token, None)
+    def drop_chain(self, batches: list[_Batch]) -> None:
+        uncount(self._held, batches)
 
-    def _spare(self, keys: Iterable[CacheKey]) -> tuple[Callable[[CacheKey], bool] | None, int]:
-        """A `can_evict` sparing the unpinned batches holding `keys` or a held chain, and
-        their bytes.
+    def _spare(
+        self, keys: Iterable[CacheKey], *, held: bool = True
+    ) -> tuple[Callable[[CacheKey], bool] | None, int]:
+        """A `can_evict` sparing the unpinned batches holding `keys` (and, with `held`,
+        those of the chains of puts in flight: `hold_chain`), and their bytes.
 
         A put spares its request's cached chunks: making room for the new, deeper chunks
         by evicting their own prefix would leave them dead weight. Only those batches'
         chunks are ever walked over (pinned ones are out of the policy).
         """
         entries = self._entries
-        if self._chains:
-            keys = itertools.chain(keys, *self._chains.values())
         spared = {e.batch for k in keys if (e := entries.get(k)) is not None and not e.batch.pins}
+        if held and self._held:
+            spared.update(b for b in self._held if b.live and not b.pins)
         if not spared:
             return None, 0
         return (lambda k: entries[k].batch not in spared), sum(b.nbytes for b in spared)
@@ -234,7 +237,7 @@ class CPUStore:
 
     def could_fit(self, nbytes: int, spare: Iterable[CacheKey] = ()) -> bool:
         """Whether `nbytes` would fit once every pin and reservation has ended."""
-        return nbytes <= self.capacity - self._spare(spare)[1]
+        return nbytes <= self.capacity - self._spare(spare, held=False)[1]
 
     def allocate(
         self, sizes: Sequence[int], *, partial: bool, spare: Iterable[CacheKey] = ()

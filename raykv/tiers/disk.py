@@ -39,7 +39,6 @@ from raykv.keys import CacheKey
 from raykv.payload import (
     EMPTY,
     LAYOUT_KV_2LTD,
-    ForeignRecordError,
     PayloadMeta,
     buffer_problem,
     decode,
@@ -528,11 +527,6 @@ class DiskStore(DiskScan):
             decoded = decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
         except FileNotFoundError:
             logger.info("disk tier: file of %s vanished", key)
-            self._drop(key, unlink=False)
-            return None
-        except ForeignRecordError as exc:  # well-formed, another secret's: not ours to delete
-            logger.warning("disk tier: not serving %s: %s", path, exc)
-            self._error("foreign")
             self._drop(key, unlink=False)
             return None
         except (OSError, PayloadError) as exc:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from raykv.errors import PayloadError
 from raykv.keys import CacheKey
-from raykv.payload import ForeignRecordError, decode, read_header
+from raykv.payload import decode, read_header
 from raykv.tiers.budget import ByteBudgetIndex
 from raykv.tiers.chunkfiles import (
     SHARD_CHARS,
@@ -32,9 +32,6 @@ from raykv.tiers.chunkfiles import (
 
 if TYPE_CHECKING:
     from raykv.tiers.disk import _Pending
-
-# How `_verify` starts its answer for a well-formed record of another payload_secret.
-FOREIGN = "foreign record"
 
 logger = logging.getLogger("raykv.tiers.disk")
 
@@ -171,8 +168,8 @@ class DiskScan:
                 if fix:
                     if key is None:
                         unlink(entry.path)
-                    else:  # another secret's record: unindexed, left in place
-                        self._drop(key, unlink=not problem.startswith(FOREIGN))
+                    else:
+                        self._drop(key, unlink=True)
                 continue
             assert key is not None
             seen.add(key)
@@ -208,8 +205,6 @@ class DiskScan:
             header = read_header(head, secret=self._secret)
         except FileNotFoundError:
             return None  # removed meanwhile: nothing to fix here
-        except ForeignRecordError as exc:
-            return f"{FOREIGN}: {exc}"
         except (OSError, PayloadError) as exc:
             return str(exc)
         if header.key != key.to_string():

@@ -57,8 +57,9 @@ def tokens(ends: Sequence[int], n: int) -> int:
 
 
 def _changed(ack: CPUAck) -> frozenset[CacheKey]:
-    """The keys whose CPU index entry a CPU ack sets or drops."""
-    return frozenset((*ack.evicted, *ack.accepted, *ack.present))
+    """The keys whose CPU index entry a CPU ack sets (those it has a ref for) or drops."""
+    refs = ack.refs
+    return frozenset((*ack.evicted, *(k for k in (*ack.accepted, *ack.present) if k in refs)))
 
 
 @dataclass(slots=True)
@@ -284,8 +285,10 @@ class PrefixIndex:
     def reset_cpu(self, incarnation: str, snapshot: dict[CacheKey, ChunkRef], seq: int) -> None:
         """Replace the CPU index with the store's snapshot taken at ack sequence `seq`,
         then re-apply the acks newer than it that were applied while it was awaited."""
-        self.cpu = dict(snapshot)
         same = incarnation == self.incarnations.get(TIER_CPU)
+        if same and seq < self._cpu_mark:
+            return  # older than what is applied here (resyncs overlapped): no news
+        self.cpu = dict(snapshot)
         log = self._cpu_log
         self._cpu_mark, self._cpu_checked = seq, None
         self._cpu_seen = {s: ks for s, ks in self._cpu_seen.items() if s > seq} if same else {}

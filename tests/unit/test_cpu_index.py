@@ -423,7 +423,7 @@ def test_a_put_in_flight_keeps_its_prefix_from_other_puts_evictions(monkeypatch)
     first, second = _during_a_slow_put(monkeypatch, actor, cs, [0, 1], lambda: _put_ids(actor, [5]))
     assert first.accepted == [key(1)] and second.accepted == [key(5)]
     assert second.evicted == [key(9)] and key(0) in actor._store
-    assert not actor._store._chains
+    assert not actor._store._held
 
 
 def test_a_put_that_cannot_fit_takes_what_fits_at_once(monkeypatch):
@@ -547,3 +547,15 @@ def test_pull_treats_a_wrong_sized_array_as_a_miss_and_caches_the_rest(monkeypat
     assert ack.missing == [key(1), key(2)] and ack.skipped == [key(1), key(2)]
     # A source object holding bad arrays is not kept: the store keeps a copy of the good.
     assert actor._store.used_bytes == CHUNK and actor._store.stats()["skipped"] == 2
+
+
+def test_a_chain_held_by_a_put_in_flight_is_spared_until_dropped_and_never_given_up_on():
+    """Other puts wait for a held chain (it ends with its put) rather than skip at once."""
+    store = CPUStore(2 * CHUNK)
+    put(store, [0], "a")
+    held = store.hold_chain([key(0), key(7)])  # key 7: not cached, nothing to hold
+    assert store.allocate([2 * CHUNK], partial=False) == (0, [])
+    assert store.could_fit(2 * CHUNK)  # worth waiting for: the hold ends with its put
+    store.drop_chain(held)
+    assert store.allocate([2 * CHUNK], partial=False) == (1, [key(0)])
+    assert not store._held

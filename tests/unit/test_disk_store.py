@@ -100,8 +100,8 @@ def store(tmp_path: Path):
 def test_stores_of_other_payload_secrets_keep_apart_and_never_delete_each_others_files(
     tmp_path: Path,
 ) -> None:
-    """Two deployments on one disk, keyed apart: each indexed the other's files into its
-    budget, then deleted them on read as corrupt (they are well-formed, only not its own)."""
+    """Two deployments on one disk, keyed apart, shared one directory: each indexed the
+    other's files into its budget, then deleted them on read (they fail its MAC)."""
     plain = DiskStore(tmp_path, 1 << 20)
     keyed = DiskStore(tmp_path, 1 << 20, payload_secret="s" * 16)
     stores = [plain, keyed]
@@ -110,15 +110,18 @@ def test_stores_of_other_payload_secrets_keep_apart_and_never_delete_each_others
         plain_dir = layout_digest("default", "KV_2LTD", "bfloat16", 256)
         assert os.path.basename(plain.directory) == plain_dir  # as before secrets named dirs
         put(plain, [1])
-        (path,) = files(plain)
-        planted = Path(keyed.directory) / path.parent.name / path.name  # a shared dir's
-        planted.parent.mkdir(parents=True)
-        planted.write_bytes(path.read_bytes())
+        put(keyed, [2])
         stores.append(again := DiskStore(tmp_path, 1 << 20, payload_secret="s" * 16))
-        assert again.keys() == [key(1)]  # indexed at start by name
-        assert again.get([key(1)]) == [None]  # a miss ...
-        assert planted.exists() and again.keys() == []  # ... left in place, not counted
-        assert again.stats()["errors"] == 1
+        assert again.keys() == [key(2)] and again.get([key(1)]) == [None]
+        assert again.get([key(2)])[0] is not None
+        assert plain.keys() == [key(1)] and len(files(plain)) == len(files(keyed)) == 1
+        # A file in a secret's directory that fails its MAC is junk there: deleted.
+        (path,) = files(plain)
+        planted = Path(keyed.directory) / path.parent.name / path.name
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_bytes(path.read_bytes())
+        stores.append(third := DiskStore(tmp_path, 1 << 20, payload_secret="s" * 16))
+        assert third.get([key(1)]) == [None] and not planted.exists() and path.exists()
     finally:
         for s in stores:
             s.close()

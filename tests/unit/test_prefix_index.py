@@ -227,6 +227,27 @@ def test_an_older_cpu_ack_applied_late_does_not_undo_a_newer_ones_changes():
     assert ix.cpu_lagging("cpu-1", 5) is False and ix.cpu_lagging("cpu-1", 5) is False
 
 
+def test_a_key_a_newer_ack_names_without_a_ref_still_takes_an_older_eviction():
+    """A put leaves keys another put is writing to it: its ack names them present, with
+    no ref. That sets nothing here, so an older ack's eviction of such a key applies."""
+    ix = index()
+    ix.apply_cpu(ack([key(0)], 1))
+    newer = CPUAck("cpu-1", {}, [], [key(0)], [], seq=3)  # present, no ref
+    ix.apply_cpu(newer)
+    ix.apply_cpu(ack([], 2, evicted=[key(0)]))
+    assert key(0) not in ix.cpu
+
+
+def test_a_snapshot_older_than_the_applied_acks_changes_nothing():
+    """Two resyncs overlapped: the older snapshot, applied last, moved the index back."""
+    ix = index()
+    for seq in (1, 2, 3):
+        ix.apply_cpu(ack([key(seq)], seq))
+    ix.reset_cpu("cpu-1", {key(1): ref(1)}, 1)  # taken at ack 1, arriving late
+    assert all(key(s) in ix.cpu for s in (1, 2, 3))
+    assert ix.cpu_lagging("cpu-1", 3) is False and ix.cpu_lagging("cpu-1", 3) is False
+
+
 def test_a_resync_keeps_the_acks_applied_while_its_snapshot_was_awaited():
     ix = index()
     ix.apply_cpu(ack([key(0)], 1))

@@ -172,6 +172,21 @@ def test_hit_answers_tokens_and_counts_the_lookup_as_the_manager_would(view_of, 
     ]
 
 
+def test_a_partial_chunk_only_an_earlier_tier_holds_after_a_disk_run_is_not_claimed(view_of):
+    """The manager reads a tail from the tier of the run before it on (never back)."""
+    cache = FakeCache({"a", "t6"}, disk={"b", "t5"})
+    v = view_of(cache, tiers=("cpu", "disk"))
+
+    def tails(n: int) -> list[ChunkSpan]:
+        return [ChunkSpan(n * 4, n * 4 + k, CacheKey.of(IDENTITY, f"t{k + 4}")) for k in (2, 1)]
+
+    # a in CPU, b on disk: t6 (CPU only) is not read after the disk run, t5 (disk) is
+    assert v.hit(spans("a", "b", "c"), tails) == (9, [("cpu", 4), ("disk", 9)])
+    cache.evict("t5", tier="disk")
+    v._poll()
+    assert v.hit(spans("a", "b", "c"), tails) == (8, [("cpu", 4), ("disk", 8)])
+
+
 def test_a_partial_chunk_after_the_whole_ones_held_ends_the_hit(view_of):
     """`save_unfull_chunk`: after the whole chunks held, the longest partial chunk held
     (of those `tails(n)` names, longest first) extends the hit, in its tier."""
