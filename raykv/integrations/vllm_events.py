@@ -161,7 +161,11 @@ class KVEvents:
         if reply is None:  # a fault (logged by the client): try again next time
             return
         cursor, changes = reply
-        if changes is None and self._cursor is not None:
+        with self._lock:
+            planned = bool(self._planned)
+        if changes is None and (self._cursor is not None or planned):
+            # A loss, or a first answer after saves were planned (the first polls
+            # failed): compare with what the tier holds instead of starting blind.
             self._resync(cursor)
             return
         with self._lock:

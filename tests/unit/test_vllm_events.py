@@ -211,3 +211,20 @@ def test_a_malformed_reply_does_not_end_the_polling_thread():
         assert cache.cursor >= 4  # it polled again after the malformed reply
     finally:
         ev.close()
+
+
+def test_saves_planned_before_a_first_poll_answered_are_reported_once_it_does():
+    """The first polls failed (the manager slow or down) while saves were planned: the
+    first answer only set the cursor, and those chunks were never advertised."""
+    cache = FakeCache()
+    answer = cache.cpu_events
+    cache.cpu_events = lambda *a: None  # no answer yet
+    ev = KVEvents(cache, IDENTITY, BLOCK, CHUNK, poll_s=3600)
+    try:
+        req = FakeRequest(list(range(8)))
+        ev.planned(req, ["k0", "k1"], 0)
+        cache.cpu_events, cache.present = answer, ["k0", "k1"]
+        ev._poll()
+        assert [type(e) for e in ev.take()] == [BlockStored, BlockStored]
+    finally:
+        ev.close()
