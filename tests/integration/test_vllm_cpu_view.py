@@ -289,7 +289,9 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     """The view lists a partial chunk the tiers dropped: the next turn's in-step load
     fails, and the same step computes tokens 224-267 on those unwritten blocks, which
     completes chunk 3 (192-256). vLLM computes it all again, and raykv must not have
-    stored that chunk: once chunks 0-2 are back, it would be loaded as the prefix's KV."""
+    stored that chunk: once chunks 0-2 are back, it would be loaded as the prefix's KV.
+    What vLLM computes again (chunks 0-3, after it saw the failure) is stored: a later
+    request loads chunk 3 and gives the cold run's tokens and logprobs."""
     llm, kv = engine
     sched, worker = vt.scheduler_connector(llm), vt.worker_connector()
     turn = PROMPTS["turn-4"]
@@ -306,7 +308,8 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
         worker.flush()
     assert list(answers.values()) == [(3 * vt.CHUNK + vt.BLOCK, False)], answers
     assert worker.failed_tokens > failed
-    assert worker.saved_chunks == saved  # chunk 3 was computed on the failed load
+    # chunks 0-3 once, from vLLM's recompute; never chunk 3 of the failed step
+    assert worker.saved_chunks == saved + 4
     vt.assert_same_output(warm, cold)
     with view._saving_lock:  # chunk 3's planned save never lands (the view forgets it in 2 s)
         view._saving.clear()
@@ -323,8 +326,8 @@ def test_nothing_computed_on_a_failed_in_step_load_is_saved(engine, monkeypatch)
     assert len(cpu) >= 4, (turn_answers, len(cpu), worker.saved_chunks - saved)
     answers = first_answers(sched, monkeypatch)
     again = vt.run(llm, [nxt])[0]
-    # 0-2 and the partial chunk, not 3
-    assert again["cached"] == 3 * vt.CHUNK + vt.BLOCK, (answers, sched.lookups_from_view)
+    # 0-3, chunk 3 as the recompute stored it (the failed step's would change the output)
+    assert again["cached"] >= 4 * vt.CHUNK, (answers, sched.lookups_from_view)
     vt.assert_same_output(again, cold)
 
 

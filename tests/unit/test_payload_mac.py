@@ -285,21 +285,33 @@ def test_planted_disk_files_are_misses_for_a_reader_with_the_secret(
 
 
 def test_a_disk_directory_keyed_with_one_secret_is_misses_without_it(tmp_path: Path) -> None:
+    """Each secret (and none) has a directory of its own: another secret's reader never
+    sees, serves or deletes the files; a file of another secret planted in a reader's
+    own directory is refused on read and removed."""
     for writer_secret, reader_secret in ((SECRET, None), (SECRET, OTHER), (None, SECRET)):
         root = tmp_path / f"{writer_secret is None}-{reader_secret is None}-{reader_secret}"
         writer = disk_store(root, writer_secret)
         writer.put([key(0)], [META], [data()])
         assert writer.flush(5)
+        written = Path(writer.path_of(key(0)))
         writer.close()
         reader = disk_store(root, reader_secret)
         try:
+            assert reader.keys() == [] and reader.get([key(0)]) == [None]
+            planted = Path(reader.path_of(key(0)))
+            planted.parent.mkdir(parents=True, exist_ok=True)
+            planted.write_bytes(written.read_bytes())
+        finally:
+            reader.close()
+        reader = disk_store(root, reader_secret)
+        try:
             assert reader.keys() == [key(0)]  # indexed by name, refused on read
-            assert reader.get([key(0)]) == [None]
+            assert reader.get([key(0)]) == [None] and not planted.exists()
         finally:
             reader.close()
         again = disk_store(root, writer_secret)
-        try:
-            assert again.get([key(0)]) == [None]  # the refused file was removed
+        try:  # the writer's own file, untouched
+            assert again.get([key(0)])[0] is not None and written.exists()
         finally:
             again.close()
 

@@ -346,9 +346,9 @@ def test_a_routers_tokenizer_loads_off_serves_router_loop(monkeypatch) -> None:
     monkeypatch.setattr(serve, "load_tokenizer", slow_load)
     router = object.__new__(serve.EventsRouter)
     t0 = time.monotonic()
-    router.initialize_state(tokenizer="some/model")
+    router.initialize_state(tokenizer="/no-such-dir/tokenizer")  # a local path: no Hub
     assert time.monotonic() - t0 < 0.5
     text = SimpleNamespace(args=(SimpleNamespace(prompt="hello"),), kwargs={})
     assert serve.request_tokens(text, router._tokenizer) is None  # by load meanwhile
-    assert router._tokenizer.ready.wait(10)
+    assert router._tokenizer.ready.wait(60)
     assert serve.request_tokens(text, router._tokenizer) == [5]
