@@ -225,16 +225,18 @@ class CPUStoreActor:
             ack.refs = self._readable(keys)
             return self._record(ack)  # numbered: the manager orders it among the others
         mine = list(todo)
-        copying.update(mine)
         # Other puts spare this request's chain until this one ends: while its copy runs,
         # evicting the prefix it adds to would leave its new chunks dead weight.
         held = store.hold_chain([*(prefix or ()), *keys])
+        copying.update(mine)
         try:
             return await self._put(ack, keys, metas, batch[0], todo, lookup_id, priority, prefix)
         finally:
             store.drop_chain(held)
             copying.difference_update(mine)
             self._cancelled.difference_update(mine)
+            if held:
+                self._signal_room()  # its chain is evictable again: a waiting put may go
 
     async def _put(
         self,

@@ -113,8 +113,7 @@ class ByteBudgetIndex:
         """Reserve `size` bytes for `key`, evicting by policy: (fits, [(victim, size)]).
 
         Reserved entries cannot be evicted, so a request larger than
-        `capacity - reserved` fails at once without evicting anything; one that fails
-        only after evicting (the rest is spared or not yet placed) keeps its victims.
+        `capacity - reserved` fails at once without evicting anything.
         """
         if size > self.capacity - self.reserved:
             return False, []
@@ -128,14 +127,6 @@ class ByteBudgetIndex:
         if fits:
             self._reserved[key] = size
             self.reserved += size
-        elif victims:
-            # Bound to fail (what is left is spared or not yet placed): the victims stay,
-            # as the most recent (their files are untouched; the caller deletes victims).
-            for victim, nbytes in victims:
-                self._sizes[victim] = nbytes
-                self.used += nbytes
-                self._policy.insert(victim)
-            victims = []
         return fits, victims
 
     def spare(self, keys: Iterable[Hashable]) -> None:

@@ -236,8 +236,9 @@ class CPUStore:
         return self._make_room(nbytes, can_evict, self.obtainable_bytes - held)
 
     def could_fit(self, nbytes: int, spare: Iterable[CacheKey] = ()) -> bool:
-        """Whether `nbytes` would fit once every pin and reservation has ended."""
-        return nbytes <= self.capacity - self._spare(spare, held=False)[1]
+        """Whether `nbytes` would fit once every pin and reservation has ended (the chains
+        other puts hold count as taken: two puts waiting for each other's would stall)."""
+        return nbytes <= self.capacity - self._spare(spare)[1]
 
     def allocate(
         self, sizes: Sequence[int], *, partial: bool, spare: Iterable[CacheKey] = ()
@@ -372,6 +373,7 @@ class CPUStore:
             for batch in {id(e.batch): e.batch for e in self._entries.values()}.values():
                 self._on_release(batch.ref, batch.nbytes)
         self._entries.clear()
+        self._held.clear()  # their batches are let go: nothing left to spare
         self._leases.clear()
         self._pinned.clear()
         self._policy.clear()

@@ -126,6 +126,7 @@ class PrefixIndex:
         self._cpu_seen: dict[int, frozenset[CacheKey]] = {}
         self._cpu_log: list[CPUAck] | None = None
         self._cpu_resyncs = 0
+        self._cpu_dropped = False
         self._cpu_checked: int | None = None  # the store's sequence number at the last check
         self.counts = dict.fromkeys(
             (
@@ -286,8 +287,9 @@ class PrefixIndex:
         """Replace the CPU index with the store's snapshot taken at ack sequence `seq`,
         then re-apply the acks newer than it that were applied while it was awaited."""
         same = incarnation == self.incarnations.get(TIER_CPU)
-        if same and seq < self._cpu_mark:
+        if same and seq < self._cpu_mark and not self._cpu_dropped:
             return  # older than what is applied here (resyncs overlapped): no news
+        self._cpu_dropped = False
         self.cpu = dict(snapshot)
         log = self._cpu_log
         self._cpu_mark, self._cpu_checked = seq, None
@@ -320,6 +322,7 @@ class PrefixIndex:
         """Forget what `tier` holds (it restarted or died); a resync rebuilds it."""
         if tier == TIER_CPU:
             self.cpu.clear()
+            self._cpu_dropped = True  # the next snapshot is news, however old
         else:
             self.lower[tier].clear()
         if self.reporter is not None:

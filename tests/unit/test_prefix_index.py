@@ -238,6 +238,17 @@ def test_a_key_a_newer_ack_names_without_a_ref_still_takes_an_older_eviction():
     assert key(0) not in ix.cpu
 
 
+def test_after_a_drop_any_snapshot_rebuilds_the_cpu_index():
+    """An ack of another incarnation drops the index; acks newer than the resync's
+    snapshot often arrive before it: it must still be applied, not taken for stale."""
+    ix = index()
+    for seq in (1, 2, 3):
+        ix.apply_cpu(ack([key(seq)], seq))
+    ix.drop(TIER_CPU)
+    ix.reset_cpu("cpu-1", {key(1): ref(1), key(2): ref(2)}, 2)
+    assert key(1) in ix.cpu and key(2) in ix.cpu
+
+
 def test_a_snapshot_older_than_the_applied_acks_changes_nothing():
     """Two resyncs overlapped: the older snapshot, applied last, moved the index back."""
     ix = index()

@@ -239,24 +239,6 @@ def test_budget_chain_naming_a_key_twice_spares_it_only_until_placed() -> None:
     assert index.reserve("c", 1) == (True, [("a", 1)])
 
 
-@pytest.mark.parametrize("held", ["spared", "unplaced"])
-def test_budget_a_reservation_bound_to_fail_evicts_nothing(held) -> None:
-    """Spared and not-yet-placed entries cannot be evicted: a reservation that only
-    they keep out failed after evicting the evictable ones (lost, for nothing)."""
-    index = ByteBudgetIndex(100, "lru")
-    index.reserve("p", 60)
-    index.commit("p", 60)
-    if held == "spared":
-        index.place(["p"])
-        index.spare(["p", "n"])
-    index.reserve("o", 30)
-    index.commit("o", 30)
-    index.place(["o"])
-    assert index.reserve("n", 50) == (False, [])
-    assert "o" in index and index.used == 90
-    assert index.reserve("n", 40) == (True, [("o", 30)])
-
-
 # ----- priorities -----
 
 
