@@ -343,7 +343,10 @@ def test_a_routers_tokenizer_loads_off_serves_router_loop(monkeypatch) -> None:
         time.sleep(1.0)
         return lambda text: {"input_ids": [len(text)]}
 
-    monkeypatch.setattr(serve, "load_tokenizer", slow_load)
+    # The namespace the router's code runs in (in the full suite `serve`'s attribute
+    # was not the one the router's loader thread looked up: cause not found).
+    namespace = serve.EventsRouter.initialize_state.__globals__
+    monkeypatch.setitem(namespace, "load_tokenizer", slow_load)
     router = object.__new__(serve.EventsRouter)
     t0 = time.monotonic()
     router.initialize_state(tokenizer="/no-such-dir/tokenizer")  # a local path: no Hub
