@@ -51,7 +51,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import ray
@@ -650,22 +650,31 @@ class RandomRouter(FIFOMixin, RequestRouter):
         return [[r] for r in order]
 
 
-# Lower bounds of the routers' numeric options (min_match_ratio is also at most 1): a bad
-# value fails here, at deployment, not in the router's first request.
-_OPTION_MINIMA = {
-    "chunk_size": 1,
-    "world_size": 1,
-    "worker_id": 0,
-    "imbalance_threshold": 0,
-    "min_match_chunks": 0,
-    "min_match_blocks": 0,
-    "min_match_ratio": 0,
-    "history_size": 1,
-    "max_blocks": 1,
-    "controller_timeout_s": 0,
-    "stats_period_s": 0,
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _integer_from(low: int) -> tuple[Callable[[Any], bool], str]:
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa: E731
+    return ok, f"an integer >= {low}"
+
+
+_POSITIVE = (lambda v: _number(v) and v > 0), "> 0"
+# The routers' numeric options, each with its check and its rule: a bad value fails
+# here, at deployment, not in the router's first request.
+_OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "chunk_size": _integer_from(1),
+    "world_size": _integer_from(1),
+    "worker_id": _integer_from(0),
+    "imbalance_threshold": _integer_from(0),
+    "min_match_chunks": _integer_from(0),
+    "min_match_blocks": _integer_from(0),
+    "history_size": _integer_from(1),
+    "max_blocks": _integer_from(1),
+    "min_match_ratio": ((lambda v: _number(v) and 0 <= v <= 1), "in [0, 1]"),
+    "controller_timeout_s": _POSITIVE,
+    "stats_period_s": _POSITIVE,
 }
-_POSITIVE = ("controller_timeout_s", "stats_period_s")
 
 
 def _check_options(router: type, options: Mapping[str, Any]) -> None:
@@ -679,22 +688,8 @@ def _check_options(router: type, options: Mapping[str, Any]) -> None:
 
 def _check_values(options: Mapping[str, Any]) -> None:
     for name, value in options.items():
-        low = _OPTION_MINIMA.get(name)
-        if low is None:
-            continue
-        number = not isinstance(value, bool) and isinstance(value, (int, float))
-        integral = name not in ("min_match_ratio", *_POSITIVE)
-        bad = not number or (integral and not isinstance(value, int)) or not value >= low
-        bad = bad or (name in _POSITIVE and not value > 0)
-        bad = bad or (name == "min_match_ratio" and not value <= 1)
-        if bad:
-            rule = (
-                "> 0"
-                if name in _POSITIVE
-                else "in [0, 1]"
-                if name == "min_match_ratio"
-                else f"an integer >= {low}"
-            )
+        ok, rule = _OPTION_RULES.get(name, (None, ""))
+        if ok is not None and not ok(value):
             raise InvalidInputError(f"router option {name}={value!r} is invalid; allowed: {rule}")
 
 
