@@ -31,6 +31,8 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
+from raykv.cpus import AUTO as AUTO_CPUS
+from raykv.cpus import parse_cpus
 from raykv.errors import ConfigError, InvalidInputError
 from raykv.keys import DEFAULT_HASH_SEED
 from raykv.masking import MASK as _MASK
@@ -123,6 +125,7 @@ class RayKVConfig:
     sync_load_max_bytes: int = 33554432  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
     save_after_step: bool = True  # vLLM connector, CPU engine: blocks copied out after the step
+    helper_cpus: str = "auto"  # engine process: cores for raykv's and Ray's threads ("": leave)
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
 
     def __post_init__(self) -> None:
@@ -366,6 +369,15 @@ def _check_type(cfg: RayKVConfig, name: str) -> None:
         raise _fail(name, value, f"must be {kind}, got {type(value).__name__}")
 
 
+def _validate_helper_cpus(cfg: RayKVConfig) -> None:
+    if cfg.helper_cpus in ("", AUTO_CPUS):
+        return
+    try:
+        parse_cpus(cfg.helper_cpus)
+    except ValueError as exc:
+        _require(cfg, "helper_cpus", False, f"must be 'auto', '' or a CPU list: {exc}")
+
+
 def _validate(cfg: RayKVConfig) -> None:
     for name in FIELD_NAMES:
         _check_type(cfg, name)
@@ -412,6 +424,7 @@ def _validate(cfg: RayKVConfig) -> None:
         "must be letters, digits, '_', '.' or '-', starting with a letter or digit",
     )
     _require(cfg, "load_mode", cfg.load_mode in LOAD_MODES, f"allowed: {', '.join(LOAD_MODES)}")
+    _validate_helper_cpus(cfg)
     _require(
         cfg, "remote_serde", cfg.remote_serde in KNOWN_SERDES, f"allowed: {', '.join(KNOWN_SERDES)}"
     )

@@ -92,6 +92,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
+from raykv.cpus import helper_cpus, run_on, starting_on
 from raykv.errors import ConfigError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
@@ -199,8 +200,12 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
                 "loaded (an evicted chunk, a dead tier); set it to 'recompute'",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        attach_ray(config.ray_address)
-        self._kv: KVCache = connect(config)
+        # Ray's threads (started by ray.init here) and the worker side's copy threads run
+        # off the cores vLLM bound this engine's compute threads to (raykv.cpus).
+        self._helper_cpus = helper_cpus(config.helper_cpus, vllm_config.parallel_config.world_size)
+        with starting_on(self._helper_cpus):
+            attach_ray(config.ray_address)
+            self._kv: KVCache = connect(config)
         # Scheduler side.
         self._requests: dict[str, RequestState] = {}
         self._lookups: ThreadPoolExecutor | None = None
@@ -225,16 +230,22 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
         if role == KVConnectorRole.SCHEDULER:
-            self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raykv-lookup")
+            self._lookups = ThreadPoolExecutor(
+                max_workers=4,
+                thread_name_prefix="raykv-lookup",
+                initializer=run_on,
+                initargs=(self._helper_cpus,),
+            )
             layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
             warn_other_layouts(self._kv, config, layout)
             events = vllm_config.kv_events_config
-            if self._keyed and events is not None and events.enable_kv_cache_events:
-                identity = KeyMaker.from_config(config, worker_id=0).identity
-                self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
-            if self._keyed and (tiers := view_tiers(config)) is not None:
-                identity = KeyMaker.from_config(config, worker_id=0).identity
-                self._view = CPUView(self._kv, identity, tiers)
+            with starting_on(self._helper_cpus):  # their threads, as Ray's above
+                if self._keyed and events is not None and events.enable_kv_cache_events:
+                    identity = KeyMaker.from_config(config, worker_id=0).identity
+                    self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
+                if self._keyed and (tiers := view_tiers(config)) is not None:
+                    identity = KeyMaker.from_config(config, worker_id=0).identity
+                    self._view = CPUView(self._kv, identity, tiers)
         self._tails = config.save_unfull_chunk  # prompts' partial last chunks: stored, found
         self._tail_args = (self._chunk, self._block_size, self._hash_block)
         # Counters (scheduler's, then workers'; as metrics too: COUNTER_METRICS).

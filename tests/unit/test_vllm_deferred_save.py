@@ -168,3 +168,25 @@ def test_a_save_that_finds_no_buffer_is_dropped_and_the_step_goes_on(worker, mon
     step(conn, saves=[SaveSpec("r", [b"h0"], 0, CHUNK, [0, 1])])
     conn.wait_for_save()
     assert (conn.dropped_saves, conn._pending_bytes, conn._kv.stored) == (1, 0, [])
+
+
+def test_the_copy_threads_run_on_the_helper_cores():
+    """vLLM binds the model runner's main thread to the engine's cores and the threads it
+    starts inherit them: the connector's copy threads move to `helper_cpus`' cores."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    conn = object.__new__(RayKVConnector)
+    conn.config = SimpleNamespace(save_after_step=True)
+    conn._block_size = BLOCK
+    conn._buffers, conn._pending_lock = BufferPool(1 << 20), threading.Lock()
+    conn._helper_cpus = frozenset({cpus[-1]})
+    conn.register_kv_caches({"l0": torch.zeros(BLOCKS, BLOCK, 2)})
+    try:
+        for pool in (conn._saver, conn._gatherer, conn._loader):
+            assert pool.submit(os.sched_getaffinity, 0).result() == {cpus[-1]}
+    finally:
+        for pool in (conn._saver, conn._gatherer, conn._loader):
+            pool.shutdown(wait=True)
