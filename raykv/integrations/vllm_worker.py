@@ -56,7 +56,7 @@ class WorkerSide:
     # Made by RayKVConnector.__init__.
     config: Any
     _kv: Any
-    _helper_cpus: frozenset[int] | None
+    _helper_cpus: frozenset[int] | None = None  # raykv.cpus: where its threads run
     # CPU: async loads start in handle_preemptions (set by register_kv_caches), and the
     # metadata whose loads it started.
     _loads_beside_forward = False

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from raykv import RayKVConfig
-from raykv.cpus import helper_cpus, parse_cpus, run_on, starting_on
+from raykv.cpus import bound_cores, helper_cpus, parse_cpus, run_on, starting_on
 from raykv.errors import ConfigError
 
 linux = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity calls")
@@ -41,14 +41,26 @@ def test_cpu_lists_parse_like_linux_and_bad_ones_name_the_part():
     for bad, part in (("a", "'a'"), ("1-", "'1-'"), ("3-1", "'3-1'"), ("0,,1", "''"), ("", "''")):
         with pytest.raises(ValueError, match=part):
             parse_cpus(bad)
+    with pytest.raises(ValueError, match="0-2000000000"):  # not a set of 2e9 numbers
+        parse_cpus("0-2000000000")
 
 
 def test_config_takes_auto_empty_or_a_list_and_names_the_field_otherwise():
     assert RayKVConfig().helper_cpus == "auto"
     assert RayKVConfig(helper_cpus="").helper_cpus == ""
     assert RayKVConfig(helper_cpus="1,3-4").helper_cpus == "1,3-4"
-    with pytest.raises(ConfigError, match="helper_cpus.*'x-1'"):
-        RayKVConfig(helper_cpus="x-1")
+    for bad in ("x-1", "99999999999"):
+        with pytest.raises(ConfigError, match=f"helper_cpus.*'{bad}'"):
+            RayKVConfig(helper_cpus=bad)
+
+
+def test_the_cores_vllm_bound_are_read_from_each_openmp_form():
+    assert bound_cores({"GOMP_CPU_AFFINITY": "0 1 3"}) == {0, 1, 3}
+    assert bound_cores({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,4]"}) == {2, 4}
+    assert bound_cores({"OMP_PLACES": "{5,6}"}) == {5, 6}
+    assert bound_cores({}) is None
+    assert bound_cores({"OMP_PLACES": "cores"}) is None  # not a list vLLM writes
+    assert bound_cores({"GOMP_CPU_AFFINITY": "0-7:2"}) is None  # a stride: not read here
 
 
 def test_off_or_an_explicit_list_is_taken_as_given():
@@ -56,40 +68,38 @@ def test_off_or_an_explicit_list_is_taken_as_given():
     assert helper_cpus("1,3") == {1, 3}
 
 
-@linux
-def test_auto_gives_the_parents_cores_minus_the_bound_threads(monkeypatch):
-    parent = os.sched_getaffinity(os.getppid())
-    mine = sorted(os.sched_getaffinity(0) & parent)
-    if len(parent) < 2 or not mine:
+def parent_cores() -> list[int]:
+    if os.getppid() <= 1:
+        pytest.skip("no parent process to read (the container's first process)")
+    cores = sorted(os.sched_getaffinity(os.getppid()))
+    if len(cores) < 2:
         pytest.skip("needs two cores the parent may use")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-
-    def bound_to_one() -> Any:
-        os.sched_setaffinity(0, {mine[0]})  # as vLLM binds the model runner's main thread
-        return helper_cpus("auto"), helper_cpus("auto", ranks=2)
-
-    one_rank, two_ranks = in_thread(bound_to_one)
-    assert one_rank == parent - {mine[0]}
-    assert two_ranks is None  # vLLM's automatic binding: the other ranks' cores are unknown
-    # Not bound (a GPU engine, the scheduler's process): nothing to move away from.
-    assert in_thread(lambda: helper_cpus("auto")) is None
+    return cores
 
 
 @linux
-def test_auto_leaves_every_ranks_listed_cores_alone(monkeypatch):
-    parent = os.sched_getaffinity(os.getppid())
-    if len(parent) < 2:
-        pytest.skip("needs two cores the parent may use")
-    first, second = sorted(parent)[:2]
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
+def test_auto_gives_the_parents_cores_that_no_rank_computes_on():
+    cores = parent_cores()
+    first, rest = cores[0], set(cores[1:])
+    bound = {"GOMP_CPU_AFFINITY": str(first)}  # as vLLM spawns a one-rank model runner
+    assert helper_cpus("auto", env=bound) == rest
+    # vLLM's automatic binding, several ranks: the others' cores are not known here.
+    assert helper_cpus("auto", ranks=2, env=bound) is None
+    # Every rank's cores listed: none of them is a helper core.
+    listed = {**bound, "VLLM_CPU_OMP_THREADS_BIND": f"{first}|{cores[1]}"}
+    assert helper_cpus("auto", ranks=2, env=listed) == (rest - {cores[1]} or None)
+    # A process vLLM did not bind (a GPU engine, the scheduler's process): left alone.
+    assert helper_cpus("auto", env={}) is None
+    assert helper_cpus("auto", env={**bound, "VLLM_CPU_OMP_THREADS_BIND": "0-"}) is None
+    # Every core the parent has is an engine core: nowhere else to go.
+    every = ",".join(map(str, cores))
+    assert helper_cpus("auto", env={"OMP_PLACES": f"{{{every}}}"}) is None
 
-    def rank0() -> Any:
-        os.sched_setaffinity(0, {first})
-        return helper_cpus("auto", ranks=2)
 
-    assert in_thread(rank0) == (parent - {first, second} or None)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-")  # odd: leave the threads
-    assert in_thread(rank0) is None
+@linux
+def test_auto_without_a_parent_to_read_leaves_the_threads(monkeypatch):
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert helper_cpus("auto", env={"GOMP_CPU_AFFINITY": "0"}) is None
 
 
 @linux
