@@ -28,6 +28,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   `B-chunk64`: `B` with 64-token chunks instead of 256; `B-unfull`: `B` that also stores
   each prompt's partial last chunk (`save_unfull_chunk`), found from the scheduler's view;
   `B-unfull-noview` and `D-unfull` (Redis only): the same, found by the manager;
+  `B-helpers0`: `B` whose connector leaves its threads and Ray's on the engine's core
+  (`helper_cpus: ""`, the only way before 2026-11-27 20:00 UTC);
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer),
@@ -130,6 +132,7 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "B-chunk64": (1, "pow2", "cpu", False),
     "B-unfull": (1, "pow2", "cpu", False),
     "B-unfull-noview": (1, "pow2", "cpu", False),
+    "B-helpers0": (1, "pow2", "cpu", False),
     "D-unfull": (1, "pow2", "redis", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
@@ -148,6 +151,7 @@ ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-chunk64": {"chunk_size": 64},
     "B-unfull": {"save_unfull_chunk": True},
     "B-unfull-noview": {"save_unfull_chunk": True, "lookup_view": False},
+    "B-helpers0": {"helper_cpus": ""},
     "D-unfull": {"save_unfull_chunk": True},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
