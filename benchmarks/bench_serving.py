@@ -29,7 +29,8 @@ GPU's does at scale. Arms (the same engine, flags, pool and model in every one):
   each prompt's partial last chunk (`save_unfull_chunk`), found from the scheduler's view;
   `B-unfull-noview` and `D-unfull` (Redis only): the same, found by the manager;
   `B-helpers0`: `B` whose connector leaves its threads and Ray's on the engine's core
-  (`helper_cpus: ""`, the only way before 2026-11-27 20:00 UTC);
+  (`helper_cpus: ""`, the only way before 2026-11-27 20:00 UTC), `2-pow2-helpers0` the
+  same for `2-pow2`;
 * two replicas sharing one raykv CPU tier, only the router differs: `2-pow2` (Serve's
   default), `2-affinity` (Ray Serve LLM's `PrefixCacheAffinityRouter`), `2-raykv`
   (raykv's `CacheAwareRouter`, which reads the prompt with the model's tokenizer),
@@ -133,6 +134,7 @@ ARMS: dict[str, tuple[int, str, str | None, bool]] = {
     "B-unfull": (1, "pow2", "cpu", False),
     "B-unfull-noview": (1, "pow2", "cpu", False),
     "B-helpers0": (1, "pow2", "cpu", False),
+    "2-pow2-helpers0": (2, "pow2", "cpu", False),
     "D-unfull": (1, "pow2", "redis", False),
 }
 # raykv settings of an arm beyond its tiers: B-wait0 is B without the scheduler's short
@@ -152,6 +154,7 @@ ARM_SETTINGS: dict[str, dict[str, Any]] = {
     "B-unfull": {"save_unfull_chunk": True},
     "B-unfull-noview": {"save_unfull_chunk": True, "lookup_view": False},
     "B-helpers0": {"helper_cpus": ""},
+    "2-pow2-helpers0": {"helper_cpus": ""},
     "D-unfull": {"save_unfull_chunk": True},
 }
 # Process groups whose CPU and RSS are accounted (by process title).
