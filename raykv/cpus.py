@@ -22,6 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ def parse_cpus(text: str) -> frozenset[int]:
             raise ValueError(f"{part!r} in {text!r} is not a range of CPUs 0-{MAX_CPU}")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
+
+
+def listed_cores(bind: str) -> frozenset[int]:
+    """Every rank's cores in a `VLLM_CPU_OMP_THREADS_BIND` list (`"0-1|2-3"`)."""
+    return parse_cpus(bind.replace("|", ","))
 
 
 def bound_cores(env: Mapping[str, str]) -> frozenset[int] | None:
@@ -84,7 +90,7 @@ def helper_cpus(
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND", AUTO)
     try:
         if bind not in (AUTO, "nobind"):
-            compute |= parse_cpus(bind.replace("|", ","))
+            compute |= listed_cores(bind)
         elif ranks > 1:
             return None
         parent = os.getppid()
@@ -104,6 +110,11 @@ def run_on(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
     except _ERRORS as exc:  # none of them usable here: the thread stays where it is
         logger.warning("raykv: helper threads cannot run on cores %s: %s", sorted(cpus), exc)
+
+
+def executor(name: str, workers: int, cpus: frozenset[int] | None) -> ThreadPoolExecutor:
+    """A thread pool whose threads run on `cpus` (None: where they start)."""
+    return ThreadPoolExecutor(workers, name, initializer=run_on, initargs=(cpus,))
 
 
 @contextlib.contextmanager

@@ -93,7 +93,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from raykv import metrics
 from raykv.client.kvcache import KVCache, attach_ray, connect
 from raykv.client.staging import BufferPool
-from raykv.cpus import helper_cpus, run_on, starting_on
+from raykv.cpus import executor, helper_cpus, starting_on
 from raykv.errors import ConfigError
 from raykv.integrations.vllm_events import KVEvents
 from raykv.integrations.vllm_meta import (
@@ -234,21 +234,15 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
         if role == KVConnectorRole.SCHEDULER:
-            self._lookups = ThreadPoolExecutor(
-                max_workers=4,
-                thread_name_prefix="raykv-lookup",
-                initializer=run_on,
-                initargs=(self._helper_cpus,),
-            )
+            self._lookups = executor("raykv-lookup", 4, self._helper_cpus)
             layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
             warn_other_layouts(self._kv, config, layout)
             events = vllm_config.kv_events_config
             with starting_on(self._helper_cpus):  # their threads, as Ray's above
+                identity = self._maker.identity
                 if self._keyed and events is not None and events.enable_kv_cache_events:
-                    identity = KeyMaker.from_config(config, worker_id=0).identity
                     self._events = KVEvents(self._kv, identity, self._hash_block, self._chunk)
                 if self._keyed and (tiers := view_tiers(config)) is not None:
-                    identity = KeyMaker.from_config(config, worker_id=0).identity
                     self._view = CPUView(self._kv, identity, tiers)
         self._tails = config.save_unfull_chunk  # prompts' partial last chunks: stored, found
         self._tail_args = (self._chunk, self._block_size, self._hash_block)
