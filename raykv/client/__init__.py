@@ -13,7 +13,7 @@ from typing import Any
 
 _LAZY = {
     "KVCache": "raykv.client.kvcache",
-    "attach_ray": "raykv.client.kvcache",
+    "attach_ray": "raykv.client.attach",
     "connect": "raykv.client.kvcache",
     "KVLayout": "raykv.client.layout",
     "KVTarget": "raykv.client.layout",

@@ -16,7 +16,6 @@ raises `raykv.errors.InvalidInputError` naming what was expected.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +27,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from raykv import metrics
+from raykv.client.attach import attach_ray
 from raykv.client.layout import KVLayout, KVSource, KVTarget
 from raykv.client.pins import PinBook
 from raykv.client.probe import ServerProbe
@@ -35,7 +35,7 @@ from raykv.client.readcache import ReadCache, object_id
 from raykv.client.reads import BY_ID, BY_REF, CHECKED, check_spans, chunks_within, get_call, is_true
 from raykv.client.staging import Stager, copy_buffers
 from raykv.config import RayKVConfig
-from raykv.errors import ConfigError, InvalidInputError, RayKVError, check_timeout
+from raykv.errors import InvalidInputError, RayKVError, check_timeout
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
 from raykv.payload import PayloadMeta
 from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult, TailCandidates
@@ -737,25 +737,6 @@ class KVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def attach_ray(address: str | None = None) -> None:
-    """Attach this process to Ray by explicit address, unless it already is.
-
-    `address` (else `$RAY_ADDRESS`) names the cluster: `auto`, `HOST:PORT`, or `local`
-    for a private instance. With neither, raise: a bare `ray.init()` would start a
-    second cluster, or join whichever one happens to run on the machine.
-    """
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        raise ConfigError(
-            "Ray is not initialized in this process and no Ray address is given: call "
-            "ray.init(...) first (address='local' starts a private instance), or set "
-            "ray_address (RAYKV_RAY_ADDRESS) or RAY_ADDRESS to the cluster to attach to"
-        )
-    ray.init(address=address, log_to_driver=False)
 
 
 def connect(config: RayKVConfig | None = None, **overrides: Any) -> KVCache:

@@ -91,7 +91,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from raykv import metrics
-from raykv.client.kvcache import KVCache, attach_ray, connect
+from raykv.client.attach import attach_ray
+from raykv.client.kvcache import KVCache, connect
 from raykv.client.staging import BufferPool
 from raykv.cpus import executor, helper_cpus, starting_on
 from raykv.errors import ConfigError
