@@ -368,6 +368,14 @@ def test_attach_ray_is_a_no_op_when_ray_is_up(monkeypatch):
     assert (context.get_node_id(), context.namespace) == (node, namespace)
 
 
+def bare_env() -> dict[str, str]:
+    """A child process's environment: this checkout importable, no Ray address and no
+    raykv settings inherited, so it attaches only where the test says."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAYKV_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def test_connect_without_ray_or_an_address_raises_config_error(tmp_path):
     script = textwrap.dedent(
         """
@@ -384,8 +392,7 @@ def test_connect_without_ray_or_an_address_raises_config_error(tmp_path):
         sys.exit(5)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAYKV_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = bare_env()
     proc = subprocess.run(
         [sys.executable, "-c", script],
         env=env,
@@ -434,8 +441,7 @@ def test_seeded_engines_attach_to_ray_as_drivers_of_their_own(tmp_path):
     each one's long poll at once to serve the other's, and both spin. The seeded state
     comes back unchanged, so an engine samples as it would without raykv."""
     address = ray.get_runtime_context().gcs_address
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAYKV_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = bare_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", SEEDED_ENGINE_DRIVER, address],
