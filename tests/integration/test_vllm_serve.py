@@ -100,6 +100,9 @@ def test_prompt_prefilled_by_replica_a_is_a_raykv_hit_on_replica_b(served):
     first = example.complete(port, "a", tokens)
     assert example.cached_tokens(first) == 0
     wait_for(lambda: stored_chunks(kv) >= before + 4, "replica a's chunks in raykv")
+    # b's first request: where vLLM's attention runs on AMX, raykv loads nothing into an
+    # engine before one of its requests has finished (`RayKVConnector.amx_guard`).
+    example.complete(port, "b", vt.prompt(30, vt.BLOCK - 8), max_tokens=1)
     second = example.complete(port, "b", tokens)
     assert example.cached_tokens(second) == 4 * vt.CHUNK  # b never saw it: raykv served it
     vt.assert_same_output(output(second), output(first))

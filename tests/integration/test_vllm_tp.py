@@ -32,6 +32,10 @@ A = vt.prompt(60, 4 * vt.CHUNK + 9)  # four whole chunks and a tail
 B = vt.prompt(61, 3 * vt.CHUNK + 5)  # three whole chunks and a tail
 TURN = vt.prompt(63, 3 * vt.CHUNK + 45)  # a chat's turn: 3 whole chunks, blocks to 224
 NEXT = TURN + vt.prompt(64, 30)  # its next turn (267 tokens)
+# Shorter than a block (nothing stored): a fresh engine's first request, so that a load
+# is never its first forward pass (where vLLM's CPU attention runs on AMX tiles, that
+# would kill it; raykv computes such a request instead: `RayKVConnector.amx_guard`).
+WARM = vt.prompt(65, vt.BLOCK - 12)
 # The tiny model's hits would all load in-step; prompts' partial last chunks are stored
 # (found by the manager: no scheduler view with several ranks).
 EXTRA = {"sync_load_max_bytes": 0, "save_unfull_chunk": True}
@@ -94,7 +98,7 @@ def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hi
         # rank 1 lost (nothing is loaded that one rank cannot fill), then computes and
         # stores that chunk again; and NEXT, a chat's next turn, its history to the
         # block: the manager found every rank's key of TURN's partial last chunk.
-        second = engine([A, B, NEXT])
+        second = engine([WARM, A, B, NEXT])[1:]
         assert [o["cached"] for o in second] == [
             4 * vt.CHUNK,
             2 * vt.CHUNK,
