@@ -22,13 +22,15 @@ p99, max; and, with as many samples in every arm, each stream's worst gap during
 admission, p90), the admissions' TTFT and the engine steps it took, the connector's
 load throughput (submission to the last block written, bytes of pages written: for
 every source the copy from the object store, since the lookup promoted the chunks into
-the CPU tier before), the engine process's CPU seconds per admission and torch's
+the CPU tier before); for disk and Redis, the lookup's read of those bytes (the
+scheduler's `lookup_log`: submission to reply) and the read and the load together (the
+bytes over the lookup's time plus the load's: not the engine steps between the reply
+and the load's submission); the engine process's CPU seconds per admission and torch's
 thread count.
 
 Goals (#25): the streams' worst gap per admission (p90) with async loads from disk or
 Redis <= 1.25x (a); async TTFT <= sync TTFT + one engine step, per source; load
-throughput >= 2 GB/s from CPU. (The disk goal, >= 1 GB/s, is not judged here: this
-load does not read the disk; the disk read is the lookup's promotion, in TTFT.)
+throughput >= 2 GB/s from CPU; read + load >= 1 GB/s from disk files in the page cache.
 """
 
 from __future__ import annotations
@@ -200,6 +202,8 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     steps: list[float] = []
     adm_steps: list[int] = []  # engine steps from each admission's arrival to its token
     logged = len(connector.load_log) if connector is not None else 0
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector if connector else None
+    looked = len(sched.lookup_log) if sched is not None else 0
     cpu0 = time.process_time()
     for k, doc in enumerate(docs):
         name = f"a{rep}-{k}"
@@ -230,6 +234,10 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     while eng.has_unfinished_requests():
         eng.step()
     loads = list(connector.load_log)[logged:] if connector is not None else []
+    lookups = list(sched.lookup_log)[looked:] if sched is not None else []
+    # Admissions run one at a time: the i-th lookup that read below CPU and the i-th load
+    # are one admission's (a run where the counts differ reports neither).
+    paired = list(zip(lookups, loads, strict=False)) if len(lookups) == len(loads) else []
     return {
         "gaps": gaps,
         "worst_gaps": worst,
@@ -239,6 +247,11 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         "cpu_per_admission": cpu / len(docs),
         "load_gbs": [b / s / 1e9 for _, b, s in loads if s > 0 and b > 0],
         "load_tokens": sum(t for t, _, _ in loads),
+        # below CPU: the lookup's read (the bytes it promoted / its submission to reply),
+        # and the read and the load together (the bytes / both their times)
+        "lookup_gbs": [lower * b / t / ls / 1e9 for (_, lower, ls), (t, b, _) in paired if t],
+        "read_gbs": [b / (ls + s) / 1e9 for (_, _, ls), (_, b, s) in paired if b],
+        "lookup_ms": [ls * 1e3 for _, _, ls in lookups],
     }
 
 
@@ -368,6 +381,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
+            "lookup_gbs": [statistics.median(r["lookup_gbs"]) for r in rows if r.get("lookup_gbs")],
+            "read_gbs": [statistics.median(r["read_gbs"]) for r in rows if r.get("read_gbs")],
         }
         table.append(
             [
@@ -379,6 +394,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 spread(m["ttft"]),
                 spread(m["adm_steps"], 1.0, ".1f"),
                 spread(m["gbs"], 1.0, ".2f"),
+                spread(m["lookup_gbs"], 1.0, ".2f"),
+                spread(m["read_gbs"], 1.0, ".2f"),
                 spread(m["cpu"], 1.0, ".2f"),
                 res["threads"],
             ]
@@ -393,6 +410,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "TTFT ms",
             "steps to token",
             "load GB/s",
+            "lookup read GB/s",
+            "read+load GB/s",
             "CPU s/adm.",
             "torch threads",
         ],
@@ -474,14 +493,16 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             )
     # The connector's load starts once the lookup promoted the chunks into the CPU tier
     # (the disk arm runs without the CPU view): from any source it times the copy from
-    # the object store into vLLM's blocks, not the read of the disk files.
-    for source, goal in (("cpu", 2.0),):
+    # the object store into vLLM's blocks. The disk files are read by the lookup: their
+    # goal takes the lookup's time (submission to reply) and the load's together.
+    for source, key, goal, what in (
+        ("cpu", "gbs", 2.0, "async load throughput"),
+        ("disk", "read_gbs", 1.0, "async read + load throughput, submission to blocks"),
+    ):
         a = per.get(f"{source}-async")
-        if a and a["gbs"]:
+        if a and a[key]:
             summary.goal(
-                f"{source}: async load throughput >= {goal} GB/s",
-                round(med(a["gbs"]), 2),
-                med(a["gbs"]) >= goal,
+                f"{source}: {what} >= {goal} GB/s", round(med(a[key]), 2), med(a[key]) >= goal
             )
     summary.write(args.json)
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv import payload
+from raykv.config import KV_DTYPES
 from raykv.errors import PayloadError
 from raykv.payload import (
     PayloadMeta,
@@ -73,13 +74,15 @@ def test_buffer_to_tensor_is_zero_copy_unless_asked():
 
 
 def test_buffers_to_tensors_are_zero_copy_views_like_buffer_to_tensor():
-    tensors = [_tensor("float16"), _tensor("bfloat16")]
+    # Every KV dtype (some have a numpy twin, some are reinterpreted) and one without.
+    tensors = [_tensor(name) for name in (*KV_DTYPES, "int16")]
     pairs = [tensor_to_buffer(t) for t in tensors]
     arrs, metas = [a for a, _ in pairs], [m for _, m in pairs]
-    arrs[1] = arrs[1].view(np.int16)  # not uint8: still read as its bytes
-    arrs[0].setflags(write=False)  # as ray.get hands them out
+    arrs[0] = arrs[0].view(np.int16)  # not uint8: still read as its bytes
+    arrs[1].setflags(write=False)  # as ray.get hands them out
     out = buffers_to_tensors(arrs, metas)
     for got, arr, t, meta in zip(out, arrs, tensors, metas, strict=True):
+        assert got.dtype == t.dtype and got.shape == t.shape, meta
         assert got.data_ptr() == arr.ctypes.data and _same_bits(got, t)
         assert _same_bits(got, buffer_to_tensor(arr, meta))
     assert buffers_to_tensors([], []) == []
