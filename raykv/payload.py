@@ -207,15 +207,6 @@ def buffer_to_tensor(buf: Any, meta: PayloadMeta, *, copy: bool = False) -> torc
 # after raykv's first such call, entering a warnings scope per call (~1 us warm, tens of us
 # on caches a large copy just flushed) buys nothing.
 _readonly_warning_spent = False
-# A numpy dtype of each KV dtype's element size: the dtype itself where numpy has it,
-# else an unsigned integer that torch reinterprets in place (`Tensor.view(dtype)`).
-_NUMPY_TWINS = {
-    "float16": np.dtype(np.float16),
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(np.uint16),
-    "float8_e4m3fn": np.dtype(np.uint8),
-    "float8_e5m2": np.dtype(np.uint8),
-}
 
 
 def buffers_to_tensors(buffers: Sequence[np.ndarray], metas: Sequence[PayloadMeta]) -> list:
@@ -233,17 +224,10 @@ def buffers_to_tensors(buffers: Sequence[np.ndarray], metas: Sequence[PayloadMet
             warnings.simplefilter("ignore", UserWarning)
             torch.from_numpy(next(b for b in flat if not b.flags.writeable))
         _readonly_warning_spent = True
-    out = []
-    for buf, meta in zip(flat, metas, strict=True):
-        twin = _NUMPY_TWINS.get(meta.dtype)
-        if twin is None:
-            out.append(torch.from_numpy(buf).view(getattr(torch, meta.dtype)).view(meta.shape))
-            continue
-        # Shape and element size set in numpy (cheap), then one or two torch calls instead
-        # of three: each costs 10-40 us on the cold caches a retrieve meets.
-        t = torch.from_numpy(np.ndarray(meta.shape, twin, buf))
-        out.append(t if twin.name == meta.dtype else t.view(getattr(torch, meta.dtype)))
-    return out
+    return [
+        torch.from_numpy(buf).view(getattr(torch, meta.dtype)).view(meta.shape)
+        for buf, meta in zip(flat, metas, strict=True)
+    ]
 
 
 class Header(NamedTuple):
