@@ -497,7 +497,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     # goal takes the lookup's time (submission to reply) and the load's together.
     for source, key, goal, what in (
         ("cpu", "gbs", 2.0, "async load throughput"),
-        ("disk", "read_gbs", 1.0, "async read + load throughput, submission to blocks"),
+        ("disk", "read_gbs", 1.0, "async read + load throughput (lookup time + load time)"),
     ):
         a = per.get(f"{source}-async")
         if a and a[key]:
