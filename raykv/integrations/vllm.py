@@ -235,8 +235,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._pending_lock = threading.Lock()
         self._events: KVEvents | None = None  # with vLLM's KV events on (scheduler side)
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
-        self.amx_guard = False  # `amx_attention`: no load before the first request ends
-        self._before_first_forward = False  # and that has not happened yet
+        self.amx_guard = False  # `amx_attention`: no load before a forward pass has run
+        self._before_first_forward = False  # and none has yet
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = executor("raykv-lookup", 4, self._helper_cpus)
             layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
@@ -247,7 +247,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             if self.amx_guard:
                 logger.info(
                     "raykv: vLLM's AMX attention cannot start on loaded blocks; this "
-                    "engine loads from raykv once its first request has finished"
+                    "engine loads from raykv once a request of its own has a token"
                 )
             events = vllm_config.kv_events_config
             with starting_on(self._helper_cpus):  # their threads, as Ray's above
@@ -304,9 +304,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         if not self._keyed:
             return 0, False
         state = self._requests.get(request.request_id)
-        if self._before_first_forward:  # computed and saved, not looked up
+        if self._before_first_forward and not self._forward_ran():
             self.unread_before_first_forward += state is None
-            return self._unread(request, state)
+            return self._unread(request, state)  # computed and saved, not looked up
         if getattr(request, "skip_reading_prefix_cache", False):
             return self._unread(request, state)
         if state is None or state.preemptions != request.num_preemptions:
@@ -334,6 +334,13 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             self.waits_for_load += 1
             return None, False  # wait: another load finishes first (then vLLM's cache holds it)
         return n, True
+
+    def _forward_ran(self) -> bool:
+        """Whether a request of this engine has an output token (its forward pass ran):
+        `amx_guard` ends there, or when a request finishes (`request_finished`)."""
+        if any(s.request.num_output_tokens > 0 for s in self._requests.values()):
+            self._before_first_forward = False
+        return not self._before_first_forward
 
     def _unread(self, request: Request, state: RequestState | None) -> tuple[int, bool]:
         """A request vLLM computes whole whatever is cached (`skip_reading_prefix_cache`:

