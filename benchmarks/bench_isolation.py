@@ -237,7 +237,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     lookups = list(sched.lookup_log)[looked:] if sched is not None else []
     # Admissions run one at a time: the i-th lookup that read below CPU and the i-th load
     # are one admission's (a run where the counts differ reports neither).
-    paired = list(zip(lookups, loads, strict=False)) if len(lookups) == len(loads) else []
+    paired = list(zip(lookups, loads, strict=True)) if len(lookups) == len(loads) else []
     return {
         "gaps": gaps,
         "worst_gaps": worst,
@@ -251,7 +251,6 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         # and the read and the load together (the bytes / both their times)
         "lookup_gbs": [lower * b / t / ls / 1e9 for (_, lower, ls), (t, b, _) in paired if t],
         "read_gbs": [b / (ls + s) / 1e9 for (_, _, ls), (_, b, s) in paired if b],
-        "lookup_ms": [ls * 1e3 for _, _, ls in lookups],
     }
 
 
@@ -381,8 +380,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
-            "lookup_gbs": [statistics.median(r["lookup_gbs"]) for r in rows if r.get("lookup_gbs")],
-            "read_gbs": [statistics.median(r["read_gbs"]) for r in rows if r.get("read_gbs")],
+            "lookup_gbs": [statistics.median(r["lookup_gbs"]) for r in rows if r["lookup_gbs"]],
+            "read_gbs": [statistics.median(r["read_gbs"]) for r in rows if r["read_gbs"]],
         }
         table.append(
             [
