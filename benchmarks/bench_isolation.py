@@ -16,7 +16,11 @@ into that source's namespace), so each admission's prefix is:
 * (c) `disk`: only in raykv's disk tier (files in the page cache);
 * (d) `redis`: only in Redis (a redis-server on loopback);
 
-and each raykv source runs with `load_mode: async` and `sync`. Reported per arm, min /
+and each raykv source runs with `load_mode: async` and `sync`, each twice: with the
+connector's threads (lookups, loads, saves) and Ray's in the engine process on the
+engine's core beside its forward passes, and (`-spare` arms, not run with `--quick`) on
+the cores outside `--engine-cores` (`helper_cpus`), where `helper_cpus: auto` puts them
+when vLLM binds its compute threads itself. Reported per arm, min /
 median / max over repeats: the streams' inter-token gaps while admissions run (p50,
 p99, max; and, with as many samples in every arm, each stream's worst gap during each
 admission, p90), the admissions' TTFT and the engine steps it took, the connector's
@@ -67,14 +71,16 @@ QUESTION = 64
 STREAMS = 3
 STREAM_PROMPT = 256
 # (arm, source, load_mode): the filler prefills every document once into all raykv tiers.
-ARMS = (
-    ("vllm", "vllm", None),
-    ("cpu-async", "cpu", "async"),
-    ("cpu-sync", "cpu", "sync"),
-    ("disk-async", "disk", "async"),
-    ("disk-sync", "disk", "sync"),
-    ("redis-async", "redis", "async"),
-    ("redis-sync", "redis", "sync"),
+# A "-spare" arm runs the connector's threads and Ray's in the engine process on the cores
+# outside `--engine-cores` (`helper_cpus`), as `helper_cpus: auto` does where vLLM binds
+# its compute threads itself (`VLLM_CPU_OMP_THREADS_BIND`, which this in-process engine
+# cannot use); the others leave them on the engine's core with its forward passes.
+SPARE = "-spare"
+ARMS = (("vllm", "vllm", None),) + tuple(
+    (f"{source}-{mode}{spare}", source, mode)
+    for spare in ("", SPARE)
+    for source in ("cpu", "disk", "redis")
+    for mode in ("async", "sync")
 )
 
 
@@ -283,7 +289,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stream-tokens", type=int, default=4000, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write a machine-readable summary to this file")
-    parser.add_argument("--arms", nargs="+", help="run only these arms (default: all)")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=[arm for arm, _, _ in ARMS],
+        metavar="ARM",
+        help=f"run only these arms (default: all): {', '.join(arm for arm, _, _ in ARMS)}",
+    )
     parser.add_argument(
         "--engine-cores",
         default="0",
@@ -301,6 +313,7 @@ def main() -> None:
         return
     if args.quick:
         args.length, args.admissions, args.repeats = 4096, 4, 1
+        args.arms = args.arms or [arm for arm, _, _ in ARMS if not arm.endswith(SPARE)]
 
     import ray
 
@@ -333,10 +346,16 @@ def main() -> None:
             if "cpu" in sources:  # the same fill with the blocks copied inside the step
                 instep = {**tiers["cpu"], "namespace": "iso-cpu-instep", "save_after_step": False}
                 results["fill-cpu-instep"] = run_arm("fill", instep, model, address, args)
+            spare = os.sched_getaffinity(0) - {int(c) for c in args.engine_cores.split(",")}
             for arm, source, mode in ARMS:
                 if args.arms and arm not in args.arms:
                     continue
                 settings = None if mode is None else {**tiers[source], "load_mode": mode}
+                if arm.endswith(SPARE):
+                    if not spare:
+                        results[arm] = {"error": "no core outside --engine-cores"}
+                        continue
+                    settings["helper_cpus"] = ",".join(map(str, sorted(spare)))
                 t0 = time.perf_counter()
                 results[arm] = run_arm(arm, settings, model, address, args)
                 print(f"# {arm}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -457,52 +476,56 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "the same, copies in the step",
             med(instep["prefills"]) * 1e3,
         )
-    for source in ("cpu", "disk", "redis"):
-        a, s = per.get(f"{source}-async"), per.get(f"{source}-sync")
-        for mode, m in (("async", a), ("sync", s)):
-            if m and base:
+    for v in ("", SPARE):
+        said = " (threads on the spare cores)" if v else ""
+        for source in ("cpu", "disk", "redis"):
+            a, s = per.get(f"{source}-async{v}"), per.get(f"{source}-sync{v}")
+            for mode, m in (("async", a), ("sync", s)):
+                if m and base:
+                    ms_row(
+                        f"{args.length}: each stream's worst gap per admission, p90, "
+                        f"{source} {mode} load{said}",
+                        m["worst"],
+                        "vLLM prefix-cache hit",
+                        med(base["worst"]) * 1e3,
+                    )
+            if a and s:
                 ms_row(
-                    f"{args.length}: each stream's worst gap per admission, p90, "
-                    f"{source} {mode} load",
-                    m["worst"],
-                    "vLLM prefix-cache hit",
-                    med(base["worst"]) * 1e3,
+                    f"{args.length}: TTFT, {source} async load{said}",
+                    a["ttft"],
+                    f"{source} sync load + one step",
+                    (med(s["ttft"]) + med(s["step"])) * 1e3,
                 )
-        if a and s:
-            ms_row(
-                f"{args.length}: TTFT, {source} async load",
-                a["ttft"],
-                f"{source} sync load + one step",
-                (med(s["ttft"]) + med(s["step"])) * 1e3,
-            )
-            summary.goal(
-                f"{source}: async TTFT <= sync TTFT + one engine step",
-                round(med(a["ttft"]) / (med(s["ttft"]) + med(s["step"])), 2),
-                med(a["ttft"]) <= med(s["ttft"]) + med(s["step"]),
-            )
-    for source in ("disk", "redis"):
-        a = per.get(f"{source}-async")
-        if a and base:
-            ratio = med(a["worst"]) / med(base["worst"])
-            summary.goal(
-                f"{source}: streams' worst gap per admission (p90) with async loads "
-                "<= 1.25x vLLM's own hit",
-                round(ratio, 2),
-                ratio <= 1.25,
-            )
-    # The connector's load starts once the lookup promoted the chunks into the CPU tier
-    # (the disk arm runs without the CPU view): from any source it times the copy from
-    # the object store into vLLM's blocks. The disk files are read by the lookup: their
-    # goal takes the lookup's time (submission to reply) and the load's together.
-    for source, key, goal, what in (
-        ("cpu", "gbs", 2.0, "async load throughput"),
-        ("disk", "read_gbs", 1.0, "async read + load throughput (lookup time + load time)"),
-    ):
-        a = per.get(f"{source}-async")
-        if a and a[key]:
-            summary.goal(
-                f"{source}: {what} >= {goal} GB/s", round(med(a[key]), 2), med(a[key]) >= goal
-            )
+                summary.goal(
+                    f"{source}: async TTFT <= sync TTFT + one engine step{said}",
+                    round(med(a["ttft"]) / (med(s["ttft"]) + med(s["step"])), 2),
+                    med(a["ttft"]) <= med(s["ttft"]) + med(s["step"]),
+                )
+        for source in ("disk", "redis"):
+            a = per.get(f"{source}-async{v}")
+            if a and base:
+                ratio = med(a["worst"]) / med(base["worst"])
+                summary.goal(
+                    f"{source}: streams' worst gap per admission (p90) with async loads "
+                    f"<= 1.25x vLLM's own hit{said}",
+                    round(ratio, 2),
+                    ratio <= 1.25,
+                )
+        # The connector's load starts once the lookup promoted the chunks into the CPU
+        # tier (the disk arm runs without the CPU view): from any source it times the copy
+        # from the object store into vLLM's blocks. The disk files are read by the lookup:
+        # their goal takes the lookup's time (submission to reply) and the load's together.
+        for source, key, goal, what in (
+            ("cpu", "gbs", 2.0, "async load throughput"),
+            ("disk", "read_gbs", 1.0, "async read + load throughput (lookup time + load time)"),
+        ):
+            a = per.get(f"{source}-async{v}")
+            if a and a[key]:
+                summary.goal(
+                    f"{source}: {what} >= {goal} GB/s{said}",
+                    round(med(a[key]), 2),
+                    med(a[key]) >= goal,
+                )
     summary.write(args.json)
 
 
