@@ -112,6 +112,10 @@ class PageConnector:
         # Bytes of one block across every layer (what a payload holds per block).
         self.block_nbytes = len(layers) * first[0].numel() * first.element_size()
         self.batched = self.device.type == "cuda"  # load_batch/save_batch use streams
+        # On CPU: each layer as numpy rows [num_blocks, block bytes], where its strides
+        # allow (None: copies go through torch).
+        views = [self._rows_view(t) for t in layers] if self.device.type == "cpu" else []
+        self._views: list[np.ndarray] | None = views if all(v is not None for v in views) else None
         if self.batched:
             self._load_stream = torch.cuda.Stream(self.device)  # async loads
             self._step_stream = torch.cuda.Stream(self.device)  # in-step loads
@@ -251,7 +255,7 @@ class PageConnector:
 
     def load_batch(self, parts: Sequence[LoadPart], after: Any = None) -> Any:
         """`load` of several payloads: an event that is done once the blocks hold them (on
-        CPU, at once: the parts are copied one by one). On CUDA the parts go through
+        CPU, at once: `load_many`). On CUDA the parts go through
         pinned slabs of `LOAD_SLAB_BYTES` (the host packs one while the last crosses the
         bus), scattered into the blocks on the device in rounds of `LOAD_DEVICE_BYTES`;
         before the blocks are read,
@@ -263,8 +267,7 @@ class PageConnector:
         is an in-step load for the calling thread's next forward: the copies run on their
         own stream after the work queued on the current stream so far."""
         if not self.batched:
-            for buf, meta, block_ids, first in parts:
-                self.load(buf, meta, block_ids, first)
+            self.load_many(parts)
             return DONE
         checked = [
             self._checked(buf, meta, block_ids, first) for buf, meta, block_ids, first in parts
@@ -369,20 +372,63 @@ class PageConnector:
 
     def load(self, buf: Any, meta: PayloadMeta, block_ids: Sequence[int], first: int = 0) -> None:
         """Copy payload blocks `first, first + 1, ...` into `block_ids` of every layer."""
-        src, idx = self._checked(buf, meta, block_ids, first)
-        if self.device.type == "cpu" and all(self._rows_view(t) is not None for t in self.layers):
-            # numpy's copy runs on the calling thread alone: a loader thread copying
-            # beside the forward pass starts no second OpenMP team to fight it.
-            rows = idx.numpy()
-            for i, layer in enumerate(self.layers):
-                self._rows_view(layer)[rows] = (
-                    src[i].contiguous().view(torch.uint8).numpy().reshape(len(rows), -1)
-                )
+        self.load_many([(buf, meta, block_ids, first)])
+
+    def load_many(self, parts: Sequence[LoadPart]) -> None:
+        """`load` of several parts, each checked before any is written.
+
+        On CPU the copies are numpy's: they run on the calling thread alone (a loader
+        thread copying beside the forward pass starts no second OpenMP team to fight
+        it), and each releases the GIL while it copies. Parts of one shape whose sources
+        lie one stride apart in memory (the chunks of one stored batch) go into each
+        layer in one copy: a loader thread beside the forward pass then waits for the
+        GIL once a layer per run of parts, not once a layer per part (most of such a
+        thread's copy time was that wait: docs/BENCHMARKS.md)."""
+        checked = [self._checked(buf, meta, ids, first) for buf, meta, ids, first in parts]
+        views = self._views
+        if views is None:
+            for src, idx in checked:
+                if self.device.type != "cpu":
+                    src, idx = src.to(self.device), idx.to(self.device)
+                for i, layer in enumerate(self.layers):
+                    layer.index_copy_(0, idx, src[i])
             return
-        if self.device.type != "cpu":
-            src, idx = src.to(self.device), idx.to(self.device)
-        for i, layer in enumerate(self.layers):
-            layer.index_copy_(0, idx, src[i])
+        arrays = [src.view(torch.uint8).numpy().reshape(*src.shape[:2], -1) for src, _ in checked]
+        rows = [idx.numpy() for _, idx in checked]
+        for a, b in _strided_runs(arrays):
+            if b - a == 1:
+                src, dst_rows = arrays[a], rows[a]
+            else:  # [layers, parts, blocks, bytes] over the parts' own memory, no copy
+                first = arrays[a]
+                step = arrays[a + 1].ctypes.data - first.ctypes.data
+                shape = (first.shape[0], b - a, *first.shape[1:])
+                strides = (first.strides[0], step, *first.strides[1:])
+                src = np.lib.stride_tricks.as_strided(first, shape, strides, writeable=False)
+                dst_rows = np.stack(rows[a:b])
+            for i, view in enumerate(views):
+                view[dst_rows] = src[i]
+
+
+def _strided_runs(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+    """[a, b) runs of `arrays` (each [layers, blocks, bytes]) of one shape and strides whose
+    data pointers step by one constant: each run reads as one strided array."""
+    runs: list[tuple[int, int]] = []
+    a = 0
+    while a < len(arrays):
+        first, b = arrays[a], a + 1
+        if b < len(arrays) and _alike(first, arrays[b]):
+            step = arrays[b].ctypes.data - first.ctypes.data
+            while b < len(arrays) and _alike(first, arrays[b]):
+                if arrays[b].ctypes.data - arrays[b - 1].ctypes.data != step:
+                    break
+                b += 1
+        runs.append((a, b))
+        a = b
+    return runs
+
+
+def _alike(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.shape == y.shape and x.strides == y.strides
 
 
 __all__ = ["DONE", "LoadPart", "PageConnector"]

@@ -35,7 +35,8 @@ Nothing holds the engine still (`load_mode: async`, the default):
   request once its blocks are written (failed blocks in the same pass, and vLLM
   recomputes them). At most `max_loads_in_flight` loads at once; a hit whose chunks
   another request is loading waits and then finds them in vLLM's own cache; an abort or
-  `load_timeout_ms` stops a load at a chunk boundary before it is reported.
+  `load_timeout_ms` stops a load between two chunks (on CPU, between two copies of up
+  to 8) before it is reported.
   A hit of at most `sync_load_max_bytes` (32 MiB) is copied in its own step instead:
   that copy is a few milliseconds, and an async load costs the request a whole step.
 - save: every newly completed chunk is copied out of the blocks (one copy: on CPU by a

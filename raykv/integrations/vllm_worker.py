@@ -47,6 +47,10 @@ class LoadEnded(Exception):
 # Bytes copied out of the KV blocks and not yet handed to the cache; past this, new saves
 # are dropped (counted and logged) instead of holding the engine's step.
 MAX_PENDING_SAVE_BYTES = 1 << 30
+# A CPU load copies this many chunks at a time (`PageConnector.load_many`: a run of them
+# that lies one stride apart goes into each layer in one copy); an abort or a time-out
+# ends it between two such copies.
+HOST_LOAD_PARTS = 8
 
 
 class WorkerSide:
@@ -152,11 +156,12 @@ class WorkerSide:
         submitted: float | None = None,
         after: Any = None,
     ) -> set[int]:
-        """Copy [start, end) into the blocks, chunk by chunk; the block ids it could not
-        fill. A set `stop` or the load time-out (from its submission) ends it at a chunk
-        boundary, so no copy is still writing once it returns. An in-step load (no
+        """Copy [start, end) into the blocks; the block ids it could not fill. On CPU the
+        chunks are copied `HOST_LOAD_PARTS` at a time (`PageConnector.load_many`), and a
+        set `stop` or the load time-out (from its submission) ends it between two such
+        copies, so no copy is still writing once it returns. An in-step load (no
         `stop`: the engine's step waits for it) reads for at most `lookup_timeout_ms`."""
-        bs, done = self._block_size, spec.start  # done: written (reached: copies queued)
+        bs, done = self._block_size, spec.start  # done: the blocks up to it are written
         submitted = time.perf_counter() if submitted is None else submitted
         if stop is None:
             deadline = time.perf_counter() + self.config.lookup_timeout_ms / 1000.0
@@ -169,30 +174,32 @@ class WorkerSide:
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
             left = max(0.0, deadline - time.perf_counter())
             chunks, _ = self._kv.get_chunks(spans, spec.lookup_id, timeout=left)
-            parts: list[LoadPart] = []  # on CUDA: one batched copy of the request's chunks
-            reached = done
+            parts: list[LoadPart] = []
+            part_ends: list[int] = []  # the token each part ends at
             for span, buf, meta in chunks:
+                lo, hi = max(span.start, spec.start), min(span.end, spec.end)
+                if lo != (part_ends[-1] if part_ends else done) or lo >= hi:
+                    break
+                parts.append(
+                    (buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs)
+                )
+                part_ends.append(hi)
+            # On CUDA one batched copy of the chunks; on CPU a few chunks a copy.
+            step = max(1, len(parts)) if self._pages.batched else HOST_LOAD_PARTS
+            for a in range(0, len(parts), step):
                 if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
-                    logger.info("raykv load of %s %s at token %d", spec.req_id, why, reached)
+                    logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
                     break
-                lo, hi = max(span.start, spec.start), min(span.end, spec.end)
-                if lo != reached or lo >= hi:
-                    break
-                part = (buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs)
-                if self._pages.batched:
-                    parts.append(part)
+                if not self._pages.batched:
+                    self._pages.load_many(parts[a : a + step])
                 else:
-                    self._pages.load(*part)
-                    done = hi
-                reached = hi
-            if parts:
-                written = self._pages.load_batch(parts, after)
-                if stop is None:  # in-step: the forward waits on the device, not the host
-                    self._pages.wait_on_compute(written)
-                else:  # a loader thread: reported once the blocks hold the bytes
-                    written.synchronize()
-                done = reached
+                    written = self._pages.load_batch(parts, after)
+                    if stop is None:  # in-step: the forward waits on the device, not the host
+                        self._pages.wait_on_compute(written)
+                    else:  # a loader thread: reported once the blocks hold the bytes
+                        written.synchronize()
+                done = part_ends[min(a + step, len(parts)) - 1]
         except LoadEnded as why:
             if spec.lookup_id is not None:  # unread: its pins are released here
                 self._kv.unpin(spec.lookup_id, wait=False)

@@ -27,6 +27,7 @@ import ray  # noqa: E402
 
 import raykv  # noqa: E402
 from raykv.actors.base import CPU_STORE_NAME  # noqa: E402
+from raykv.integrations import vllm_worker  # noqa: E402
 from raykv.integrations.vllm_events import OWNERSHIP, POLL_S  # noqa: E402
 from raykv.keys import CacheKey  # noqa: E402
 
@@ -181,14 +182,15 @@ def test_loaded_kv_is_what_the_model_reads(engine, monkeypatch):
     cold = vt.run(llm, [tokens])[0]
     settle(llm, kv)
     pages = vt.worker_connector()._pages
-    real_load = pages.load
+    real_load = pages.load_many
 
-    def noisy_load(buf, meta, block_ids, first=0):
-        real_load(buf, meta, block_ids, first)
-        for layer in pages.layers:
-            layer[block_ids] = layer[block_ids] * -1.0
+    def noisy_load(parts):
+        real_load(parts)
+        for _buf, _meta, block_ids, _first in parts:
+            for layer in pages.layers:
+                layer[block_ids] = layer[block_ids] * -1.0
 
-    monkeypatch.setattr(pages, "load", noisy_load)
+    monkeypatch.setattr(pages, "load_many", noisy_load)
     warm = vt.run(llm, [tokens])[0]
     assert warm["cached"] == 4 * vt.CHUNK
     assert warm["logprobs"] != cold["logprobs"]
@@ -617,15 +619,17 @@ def test_requests_loading_the_same_chunks_load_them_once(engine, reference):
 
 
 def slow_pages(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Every chunk the worker copies into the KV blocks takes `seconds` longer."""
+    """Every chunk the worker copies into the KV blocks takes `seconds` longer (copied
+    one at a time, so a load can end between any two)."""
     pages = vt.worker_connector()._pages
-    real = pages.load
+    real = pages.load_many
 
-    def load(*args, **kwargs):
-        time.sleep(seconds)
-        real(*args, **kwargs)
+    def load(parts):
+        time.sleep(seconds * len(parts))
+        real(parts)
 
-    monkeypatch.setattr(pages, "load", load)
+    monkeypatch.setattr(pages, "load_many", load)
+    monkeypatch.setattr(vllm_worker, "HOST_LOAD_PARTS", 1)
 
 
 def test_an_abort_during_a_load_frees_every_block_and_pin(engine, reference, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 from raykv import page_connector
 from raykv.errors import InvalidInputError, PayloadError
 from raykv.page_connector import PageConnector
-from raykv.payload import LAYOUT_PAGES, PayloadMeta, decode, encode
+from raykv.payload import LAYOUT_PAGES, PayloadMeta, buffer_to_tensor, decode, encode
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 8
@@ -504,6 +504,88 @@ def test_slabs_keep_the_order_and_hold_at_least_one_part():
     groups = page_connector._slabs(parts, 4)
     assert [[len(p[1]) for p in g] for g in groups] == [[3, 1], [4], [1], [5]]
     assert [len(g) for g in page_connector._slabs(parts, 100)] == [5]
+
+
+def adjacent_payloads(
+    conn: PageConnector, id_lists: list[list[int]], gap: int = 0
+) -> list[tuple[np.ndarray, PayloadMeta]]:
+    """Payloads of `id_lists` laid end to end in one buffer, `gap` bytes apart (as the
+    chunks of one stored batch lie in its object)."""
+    metas = [conn.meta(len(ids)) for ids in id_lists]
+    flat = np.zeros(sum(m.nbytes + gap for m in metas), dtype=np.uint8)
+    out, at = [], 0
+    for ids, meta in zip(id_lists, metas, strict=True):
+        buf = flat[at : at + meta.nbytes]
+        conn.save(ids, out=buf)
+        buf.flags.writeable = False  # as Ray's object store hands them out
+        out.append((buf, meta))
+        at += meta.nbytes + gap
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gap", [0, 64])
+def test_load_many_writes_runs_of_adjacent_payloads_as_loads_one_by_one(dtype, gap):
+    src = make_cache(dtype, seed=51, num_blocks=12)
+    ids = [[1, 2], [3, 4], [10, 0], [7, 8], [5, 6]]  # a run of 4 payloads, then another
+    parts = adjacent_payloads(PageConnector(src), ids[:4], gap)
+    parts += payloads_of(PageConnector(src), ids[4:])
+    starts = [p[0].ctypes.data for p in parts]
+    assert len({b - a for a, b in zip(starts[:3], starts[1:4], strict=True)}) == 1
+    big = random_bits((12, NUM_LAYERS, *BLOCK), dtype, 52)
+    dst = [big[:, i] for i in range(NUM_LAYERS)]  # strided views, as vLLM's CPU caches
+    expected = snapshot(dst)
+    dst_ids = [[11, 0], [6, 5], [2, 9], [3, 1], [8, 7]]
+    for (buf, meta), want in zip(parts, dst_ids, strict=True):
+        PageConnector(expected).load(buf, meta, want)  # one by one
+    PageConnector(dst).load_many(
+        [(buf, meta, want, 0) for (buf, meta), want in zip(parts, dst_ids, strict=True)]
+    )
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer], expected[layer]), layer
+    runs = page_connector._strided_runs(
+        [buffer_to_tensor(b, m).view(torch.uint8).numpy().reshape(NUM_LAYERS, 2, -1)
+         for b, m in parts]
+    )  # fmt: skip
+    assert runs == [(0, 4), (4, 5)]
+
+
+def test_load_many_with_first_reads_each_payloads_own_blocks():
+    src = make_cache(torch.float32, seed=53, num_blocks=12)
+    parts = adjacent_payloads(PageConnector(src), [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    dst = make_cache(torch.float32, seed=54, num_blocks=12)
+    expected = snapshot(dst)
+    dst_ids = [[9, 10], [11, 0], [1, 2]]
+    for (buf, meta), want in zip(parts, dst_ids, strict=True):
+        PageConnector(expected).load(buf, meta, want, 1)
+    PageConnector(dst).load_many(
+        [(buf, meta, want, 1) for (buf, meta), want in zip(parts, dst_ids, strict=True)]
+    )
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer], expected[layer])
+        assert same_bits(dst[layer][[1, 2]], src[layer][[7, 8]])
+
+
+def test_load_many_checks_every_part_before_it_writes_any():
+    src = make_cache(seed=55)
+    (a, ma), (b, mb) = adjacent_payloads(PageConnector(src), [[1, 2], [3, 4]])
+    dst = make_cache(seed=56)
+    before = snapshot(dst)
+    with pytest.raises(InvalidInputError, match="out of range"):
+        PageConnector(dst).load_many([(a, ma, [0, 1], 0), (b, mb, [2, 3], 1)])
+    for layer in range(NUM_LAYERS):
+        assert same_bits(dst[layer], before[layer])
+
+
+def test_strided_runs_split_where_shape_strides_or_step_change():
+    base = np.zeros(4096, dtype=np.uint8)
+    at = [base[o : o + 96].reshape(2, 3, 16) for o in (0, 100, 200, 300, 500, 600)]
+    other = np.zeros(96, dtype=np.uint8).reshape(2, 3, 16)
+    shorter = base[700:764].reshape(2, 2, 16)
+    arrays = [*at[:4], at[4], at[5], other, shorter]
+    assert page_connector._strided_runs(arrays) == [(0, 4), (4, 6), (6, 7), (7, 8)]
+    assert page_connector._strided_runs([]) == []
+    assert page_connector._strided_runs([other]) == [(0, 1)]
 
 
 @cuda_only

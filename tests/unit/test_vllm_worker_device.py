@@ -36,6 +36,7 @@ if importlib.util.find_spec("vllm") is None:  # only the metadata's base class i
     sys.modules[_STUBS[-1]].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
 
 from raykv.client.staging import BufferPool  # noqa: E402
+from raykv.integrations import vllm_worker  # noqa: E402
 from raykv.integrations.vllm_meta import (  # noqa: E402
     WORKER_COUNTER_METRICS,
     CounterExport,
@@ -322,6 +323,40 @@ def test_an_in_step_load_reads_for_at_most_the_lookup_timeout(worker):
     target = [10, 11, 20, 13]
     assert w._load(LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=True), None) == set()
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 0.2
+
+
+def test_a_cpu_load_copies_a_few_chunks_at_a_time_and_ends_between_copies(monkeypatch):
+    """On CPU the chunks go `HOST_LOAD_PARTS` to a copy (`PageConnector.load_many`, one
+    GIL round trip a layer for a run of them); an abort ends the load between two
+    copies, never inside one: the chunks copied are whole, the rest load errors."""
+    layers = random_bits("cpu", seed=0)
+    w = Worker()
+    w.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)})
+    try:
+        want = save_a_step(w, layers, "cpu")
+        calls, abort = [], threading.Event()
+        real = w._pages.load_many
+
+        def load_many(parts):
+            calls.append(len(parts))
+            real(parts)
+            abort.set()  # the request is aborted while this copy runs
+
+        monkeypatch.setattr(w._pages, "load_many", load_many)
+        target = [10, 11, 20, 13]
+        spec = LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=False)
+        assert w._load(spec, threading.Event()) == set() and calls == [2]  # one copy
+        assert blocks_bytes(layers, target) == want
+        for layer in layers:
+            layer.index_fill_(0, torch.tensor(target), 0)
+        calls.clear()
+        abort.clear()
+        monkeypatch.setattr(vllm_worker, "HOST_LOAD_PARTS", 1)
+        assert w._load(spec, abort) == {20, 13} and calls == [1]
+        assert blocks_bytes(layers, [10, 11]) == blocks_bytes_of(want, 0)
+        assert not any(layer[[20, 13]].view(torch.int16).any() for layer in layers)
+    finally:
+        w.close()
 
 
 def wait_reported(w: Worker, req_id: str) -> set[str]:
