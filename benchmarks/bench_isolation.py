@@ -382,6 +382,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     table = []
     for arm, _, _ in ARMS:
         res = results.get(arm)
+        if res is None:  # not in --arms
+            continue
         if not isinstance(res, dict) or "rows" not in res:
             print(f"{arm}: could not run: {res.get('error') if res else 'no result'}")
             continue
