@@ -115,7 +115,9 @@ class PageConnector:
         # On CPU: each layer as numpy rows [num_blocks, block bytes], where its strides
         # allow (None: copies go through torch).
         views = [self._rows_view(t) for t in layers] if self.device.type == "cpu" else []
-        self._views: list[np.ndarray] | None = views if all(v is not None for v in views) else None
+        self._views: list[np.ndarray] | None = None
+        if views and all(v is not None for v in views):
+            self._views = views
         if self.batched:
             self._load_stream = torch.cuda.Stream(self.device)  # async loads
             self._step_stream = torch.cuda.Stream(self.device)  # in-step loads
