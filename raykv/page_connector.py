@@ -201,12 +201,12 @@ class PageConnector:
         if self.device.type == "cpu":
             # numpy's copy runs on the calling thread alone (as `load`'s): a save thread
             # copying beside the forward pass starts no second OpenMP team to fight it.
-            rows = idx.numpy()
-            for i, layer in enumerate(self.layers):
-                view = self._rows_view(layer)
-                if view is None:
+            if self._views is None:
+                for i, layer in enumerate(self.layers):
                     torch.index_select(layer, 0, idx, out=host[i])
-                    continue
+                return
+            rows = idx.numpy()
+            for i, view in enumerate(self._views):
                 out = host[i].view(torch.uint8).numpy().reshape(len(rows), -1)
                 np.take(view, rows, axis=0, out=out, mode="clip")  # ids checked: no clipping
         else:  # blocking, on the current stream: `save_batch` is the engine's path

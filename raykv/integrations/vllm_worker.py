@@ -191,14 +191,11 @@ class WorkerSide:
                     why = "aborted" if stop.is_set() else "timed out"
                     logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
                     break
-                if not self._pages.batched:
-                    self._pages.load_many(parts[a : a + step])
-                else:
-                    written = self._pages.load_batch(parts, after)
-                    if stop is None:  # in-step: the forward waits on the device, not the host
-                        self._pages.wait_on_compute(written)
-                    else:  # a loader thread: reported once the blocks hold the bytes
-                        written.synchronize()
+                written = self._pages.load_batch(parts[a : a + step], after)
+                if stop is None:  # in-step: the forward waits on the device, not the host
+                    self._pages.wait_on_compute(written)
+                else:  # a loader thread: reported once the blocks hold the bytes
+                    written.synchronize()
                 done = part_ends[min(a + step, len(parts)) - 1]
         except LoadEnded as why:
             if spec.lookup_id is not None:  # unread: its pins are released here
