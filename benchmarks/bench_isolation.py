@@ -13,7 +13,9 @@ into that source's namespace), so each admission's prefix is:
 
 * (a) `vllm`: in vLLM's own prefix cache (plain vLLM, no connector): the baseline;
 * (b) `cpu`: in raykv's CPU tier only (vLLM's cache emptied);
-* (c) `disk`: only in raykv's disk tier (files in the page cache);
+* (c) `disk`: only in raykv's disk tier (files in the page cache), read by the connector's
+  loader from the files (`disk_direct_reads`); `-promote` arms turn that off, so the
+  lookup promotes the chunks through the tier actors first: the direct reads' baseline;
 * (d) `redis`: only in Redis (a redis-server on loopback);
 
 and each raykv source runs with `load_mode: async` and `sync`, each twice: with the
@@ -24,13 +26,13 @@ when vLLM binds its compute threads itself. Reported per arm, min /
 median / max over repeats: the streams' inter-token gaps while admissions run (p50,
 p99, max; and, with as many samples in every arm, each stream's worst gap during each
 admission, p90), the admissions' TTFT and the engine steps it took, the connector's
-load throughput (submission to the last block written, bytes of pages written: for
-every source the copy from the object store, since the lookup promoted the chunks into
-the CPU tier before); for disk and Redis, the lookup's read of those bytes (the
-scheduler's `lookup_log`: submission to reply) and the read and the load together (the
-bytes over the lookup's time plus the load's: not the engine steps between the reply
-and the load's submission); the engine process's CPU seconds per admission and torch's
-thread count.
+load throughput (submission to the last block written, bytes of pages written: the
+copy from the object store where the lookup promoted the chunks, and for direct disk
+reads the file reads too); for disk and Redis, the lookup's read of those bytes (the
+scheduler's `lookup_log`: submission to reply; none for direct disk reads, whose lookup
+reads nothing) and the read and the load together (the bytes over the lookup's time
+plus the load's: not the engine steps between the reply and the load's submission); the
+engine process's CPU seconds per admission and torch's thread count.
 
 Goals (#25): the streams' worst gap per admission (p90) with async loads from disk or
 Redis <= 1.25x (a); async TTFT <= sync TTFT + one engine step, per source; load
@@ -76,10 +78,15 @@ STREAM_PROMPT = 256
 # its compute threads itself (`VLLM_CPU_OMP_THREADS_BIND`, which this in-process engine
 # cannot use); the others leave them on the engine's core with its forward passes.
 SPARE = "-spare"
+# A "-promote" disk arm runs with `disk_direct_reads: false`: the lookup promotes the
+# chunks through the tier actors and the object store before it answers (how every disk
+# hit loaded before the worker read the files itself): the direct reads' baseline.
+PROMOTE = "-promote"
 ARMS = (("vllm", "vllm", None),) + tuple(
-    (f"{source}-{mode}{spare}", source, mode)
+    (f"{source}-{mode}{promote}{spare}", source, mode)
     for spare in ("", SPARE)
     for source in ("cpu", "disk", "redis")
+    for promote in (("", PROMOTE) if source == "disk" else ("",))
     for mode in ("async", "sync")
 )
 
@@ -313,7 +320,9 @@ def main() -> None:
         return
     if args.quick:
         args.length, args.admissions, args.repeats = 4096, 4, 1
-        args.arms = args.arms or [arm for arm, _, _ in ARMS if not arm.endswith(SPARE)]
+        args.arms = args.arms or [
+            arm for arm, _, _ in ARMS if not arm.endswith(SPARE) and PROMOTE not in arm
+        ]
 
     import ray
 
@@ -351,6 +360,8 @@ def main() -> None:
                 if args.arms and arm not in args.arms:
                     continue
                 settings = None if mode is None else {**tiers[source], "load_mode": mode}
+                if PROMOTE in arm:
+                    settings["disk_direct_reads"] = False
                 if arm.endswith(SPARE):
                     if not spare:
                         results[arm] = {"error": "no core outside --engine-cores"}
@@ -380,7 +391,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     summary = Summary()
     per: dict[str, dict[str, list[float]]] = {}
     table = []
-    for arm, _, _ in ARMS:
+    for arm, source, _ in ARMS:
         res = results.get(arm)
         if res is None:  # not in --arms
             continue
@@ -401,7 +412,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "step": [r["step_p50"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
-            "lookup_gbs": [statistics.median(r["lookup_gbs"]) for r in rows if r["lookup_gbs"]],
+            # a direct disk read's lookup reads no bytes: no throughput to report
+            "lookup_gbs": [
+                statistics.median(r["lookup_gbs"])
+                for r in rows
+                if r["lookup_gbs"] and (source != "disk" or PROMOTE in arm)
+            ],
             "read_gbs": [statistics.median(r["read_gbs"]) for r in rows if r["read_gbs"]],
         }
         table.append(
@@ -513,10 +529,28 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                     round(ratio, 2),
                     ratio <= 1.25,
                 )
-        # The connector's load starts once the lookup promoted the chunks into the CPU
-        # tier (the disk arm runs without the CPU view): from any source it times the copy
-        # from the object store into vLLM's blocks. The disk files are read by the lookup:
-        # their goal takes the lookup's time (submission to reply) and the load's together.
+        for mode in ("async", "sync"):  # the worker's own file reads against promotion
+            d, p = per.get(f"disk-{mode}{v}"), per.get(f"disk-{mode}{PROMOTE}{v}")
+            if not (d and p):
+                continue
+            ms_row(
+                f"{args.length}: TTFT, disk {mode} load, files read by the worker{said}",
+                d["ttft"],
+                "the lookup promoting them (disk_direct_reads: false)",
+                med(p["ttft"]) * 1e3,
+            )
+            if d["read_gbs"] and p["read_gbs"]:
+                summary.row(
+                    f"{args.length}: disk {mode} read + load, files read by the worker{said}",
+                    med(d["read_gbs"]),
+                    "GB/s",
+                    "the lookup promoting them (disk_direct_reads: false)",
+                    med(p["read_gbs"]),
+                    value_range=(min(d["read_gbs"]), max(d["read_gbs"])),
+                )
+        # The CPU arm's load times the copy from the object store into vLLM's blocks. The
+        # disk goal takes the lookup's time (submission to reply) and the load's together:
+        # the files are read by the loader (direct) or by the lookup (`-promote` arms).
         for source, key, goal, what in (
             ("cpu", "gbs", 2.0, "async load throughput"),
             ("disk", "read_gbs", 1.0, "async read + load throughput (lookup time + load time)"),

@@ -122,6 +122,7 @@ class RayKVConfig:
     max_lookups_in_flight: int = 64  # vLLM connector: lookups at once; more requests are computed
     lookup_wait_ms: int = 5  # vLLM connector: per step, how long the scheduler waits for lookups
     lookup_view: bool = True  # vLLM connector: lookups answered from a copy of the CPU keys
+    disk_direct_reads: bool = True  # vLLM connector: disk hits on this node read from the files
     sync_load_max_bytes: int = 33554432  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
     save_after_step: bool = True  # vLLM connector, CPU engine: blocks copied out after the step

@@ -62,6 +62,15 @@ class DiskStoreActor:
     def contains(self, keys: list[CacheKey]) -> list[bool]:
         return self._store.contains(keys)
 
+    @ray.method(concurrency_group="read")
+    def touch(self, keys: list[CacheKey]) -> None:
+        self._store.touch(keys)
+
+    def location(self) -> tuple[str, str, str]:
+        """(node id, directory, `secret_tag` of its records' secret or "") of this tier's
+        files: a client on the same node may read them itself (`raykv.client.direct`)."""
+        return ray.get_runtime_context().get_node_id(), *self._store.location()
+
     def remove(self, keys: list[CacheKey]) -> int:
         return self._store.remove(keys)
 

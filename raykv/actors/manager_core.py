@@ -397,11 +397,14 @@ class ManagerCore:
         spans: Sequence[ChunkSpan] | PackedSpans,
         search_range: Sequence[str] | None = None,
         tails: Any = None,
+        direct: bool = False,
     ) -> None:
         """Start loading the prefix of `spans` into CPU and return at once; the loaded
         chunks are pinned under `lookup_id` until its get or unpin. See `wait`. `tails`
         (`TailCandidates.wire`): candidate partial chunks, one of which may extend the
-        prefix past its whole chunks (`LookupPlan.with_tail`)."""
+        prefix past its whole chunks (`LookupPlan.with_tail`). `direct`: the caller
+        reads this node's disk files itself, so a prefix that goes on only on disk is
+        ready at once, unpinned and touched there (`LookupPlan.direct_disk`)."""
         await self._ready()
         keys, ends = split_spans(spans)
         candidates = TailCandidates.from_wire(tails) if tails is not None else None
@@ -412,7 +415,7 @@ class ManagerCore:
         rec = self._index.record(lookup_id, ends)
         if not rec.closed:  # else its get or unpin came first: nothing to load or pin
             rec.ranks = {k.worker_id for k in keys}
-            load = self._load(rec, keys, ends, tiers, candidates)
+            load = self._load(rec, keys, ends, tiers, candidates, direct)
             rec.task = asyncio.get_running_loop().create_task(load)
         arrived = self._arrivals.pop(lookup_id, None)
         if arrived is not None:
@@ -425,6 +428,7 @@ class ManagerCore:
         ends: list[int],
         tiers: list[str],
         tails: TailCandidates | None = None,
+        direct: bool = False,
     ) -> int:
         t0 = time.perf_counter()
         plan = await self._drive(self._plan_keys(keys, ends, tiers))
@@ -434,9 +438,15 @@ class ManagerCore:
         self._count_lookup(plan)
         rec.sources = plan.sources()
         keys, segs = plan.keys, plan.segs
+        disk = plan.direct_disk() if direct else None
         if plan.cpu_prefix():
             self._pin(rec, keys[: plan.cpu_prefix()])
             segs = segs[1:]
+        if disk is not None:  # read by the caller from the files: nothing to promote
+            segs = []
+            if rec.ready == disk[1] and not rec.closed:  # the CPU run all pinned
+                rec.ready = disk[2]
+                self._t.read_directly(keys[disk[1] : disk[2]])
         pulls = await asyncio.gather(
             *(self._t.pull(tier, keys[a:b], rec.lookup_id) for tier, a, b in segs)
         )
@@ -471,16 +481,18 @@ class ManagerCore:
         timeout: float | None = None,
         search_range: Sequence[str] | None = None,
         tails: Any = None,
+        direct: bool = False,
     ) -> tuple[int, list[tuple[str, int]]]:
         """`prefetch`, then `wait(sources=True)`, in one call: a pinned lookup that
-        promotes what it finds below CPU (the vLLM connector's). A lookup with nothing
-        ready in CPU by then is closed (no pins to release; a load still running drops
-        what it brings)."""
-        await self.prefetch(lookup_id, spans, search_range, tails)
-        if lookup_id not in self._index.lookups:  # ended by an unpin that came first
+        promotes what it finds below CPU (the vLLM connector's; `direct`: see
+        `prefetch`). A lookup with nothing pinned by then is closed (no pins to release;
+        a load still running drops what it brings)."""
+        await self.prefetch(lookup_id, spans, search_range, tails, direct)
+        rec = self._index.lookups.get(lookup_id)
+        if rec is None:  # ended by an unpin that came first
             return 0, []
         n, sources = await self.wait(lookup_id, timeout, sources=True)  # type: ignore[misc]
-        if n == 0:
+        if n == 0 or not rec.refs:
             self._close(lookup_id)
         return n, sources
 

@@ -323,6 +323,18 @@ class TierSet:
         self.index.apply_pull(tier, ack)
         return ack
 
+    def read_directly(self, keys: list[CacheKey]) -> None:
+        """A lookup's caller reads these disk chunks from the files itself
+        (`raykv.client.direct`): promote them into CPU behind its back, as a disk hit
+        is (the read touches them on disk), or without a CPU tier just touch them."""
+        try:
+            if self.cpu is not None:
+                self.spawn(self.pull(TIER_DISK, keys, None), name="raykv-put-promoted-read")
+            else:
+                self.handles[TIER_DISK].touch.remote(keys)
+        except RayActorError as exc:  # a tier restarting: recency is best effort
+            logger.debug("touching %d disk chunks failed: %r", len(keys), exc)
+
     async def pull_peer(self, name: str, keys: list[CacheKey]) -> CPUAck | None:
         """Read `keys` from the peer manager `name` (`read_peer`: its objects come to
         this node, read by this manager) and serve them from the peer's objects at once;

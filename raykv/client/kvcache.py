@@ -38,7 +38,7 @@ from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError, RayKVError, check_timeout
 from raykv.keys import CacheKey, ChunkSpan, KeyMaker, as_token_array, leading
 from raykv.payload import PayloadMeta
-from raykv.wire import TIER_CPU, PackedSpans, RetrieveResult, TailCandidates
+from raykv.wire import TIER_CPU, TIER_DISK, PackedSpans, RetrieveResult, TailCandidates
 
 logger = logging.getLogger(__name__)
 
@@ -349,12 +349,16 @@ class KVCache:
         lookup_id: str,
         timeout: float | None = None,
         tails: TailCandidates | None = None,
+        direct: bool = False,
     ) -> tuple[int, list[tuple[str, int]]]:
         """`prefetch_spans` then `wait_sources`, in one manager round trip: prefix tokens
         pinned in CPU under `lookup_id` (0: nothing pinned, nothing to release) and
         where they were found. A fault answers `(0, [])`. `tails`: candidate partial
         chunks, of which the first held right after the whole chunks found extends the
-        prefix (`save_unfull_chunk`)."""
+        prefix (`save_unfull_chunk`). With `direct` (a caller that reads the disk tier's
+        files itself, `raykv.client.direct`), a prefix whose chunks below CPU are all on
+        disk is answered without promoting them: its sources then end in one disk run,
+        whose chunks are counted but not pinned."""
         check_timeout(timeout)
         check_spans(spans)
         if not spans and (tails is None or not tails.starts):
@@ -362,8 +366,10 @@ class KVCache:
         self._settle(timeout)
         outer = self._outer(timeout)
         args: tuple = (lookup_id, self._packed(spans), timeout)
-        if tails is not None and tails.starts:
-            args += (None, tails.wire())
+        if (tails is not None and tails.starts) or direct:
+            args += (None, tails.wire() if tails is not None and tails.starts else None)
+        if direct:
+            args += (True,)
         reply = self._call("fetch", *args, timeout=outer, default=None)
         n, sources = self._unless_fault(reply, lookup_id, (0, []))
         return int(n), [(str(k), int(end)) for k, end in sources]
@@ -405,6 +411,22 @@ class KVCache:
         None on a fault."""
         args = (identity,) if tier == TIER_CPU else (identity, tier)
         return self._call("cpu_keys", *args, timeout=self._lookup_timeout * 4, default=None)
+
+    def disk_location(self) -> tuple[str, str, str] | None:
+        """(node id, directory, secret tag) of the manager's disk tier, whose files a
+        client on that node may read itself (`raykv.client.direct`); None without a disk
+        tier, or on a fault (logged)."""
+        wait = self._lookup_timeout * 4
+        handles = self._call("tier_handles", timeout=wait, default=None) or {}
+        disk = handles.get(TIER_DISK)
+        if disk is None:
+            return None
+        try:
+            node, directory, tag = ray.get(disk.location.remote(), timeout=wait)
+        except RayError as exc:
+            logger.warning("raykv: cannot ask the disk tier where it is: %r", exc)
+            return None
+        return str(node), str(directory), str(tag)
 
     def unpin(self, lookup_id: str, wait: bool = True) -> None:
         """Release the pins of a lookup or prefetch without retrieving.

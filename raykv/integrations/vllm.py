@@ -93,6 +93,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from raykv import metrics
 from raykv.client.attach import attach_ray
+from raykv.client.direct import DiskReader
 from raykv.client.kvcache import KVCache, connect
 from raykv.client.staging import BufferPool
 from raykv.cpus import executor, helper_cpus, starting_on
@@ -109,6 +110,7 @@ from raykv.integrations.vllm_meta import (
     SaveSpec,
     WorkerLoad,
     chunk_ends,
+    direct_start,
     hit_source_split,
     in_step_blocks,
 )
@@ -117,6 +119,7 @@ from raykv.integrations.vllm_setup import (
     block_hashes_shared,
     block_nbytes,
     chunk_hashes,
+    direct_reads,
     engine_layout,
     hashes_collision_resistant,
     prompt_tail,
@@ -238,8 +241,14 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self._view: CPUView | None = None  # lookups answered locally (`lookup_view`)
         self.amx_guard = False  # `amx_attention`: no load before a forward pass has run
         self._before_first_forward = False  # and none has yet
+        self._disk: DiskReader | None = None  # worker: this node's disk files, read here
+        self._direct = False  # scheduler: its workers read them (`disk_direct_reads`)
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = executor("raykv-lookup", 4, self._helper_cpus)
+            self._direct = (
+                direct_reads(config)
+                and DiskReader.local(self._kv, config.payload_secret) is not None
+            )
             layout = engine_layout(vllm_config, kv_cache_config, self._chunk)
             warn_other_layouts(self._kv, config, layout)
             self.amx_guard = self._before_first_forward = amx_attention(
@@ -438,7 +447,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             if timeout <= 0:
                 return 0, []
         try:  # one manager round trip: prefetch, wait, and no pins left on a miss
-            hit, sources = self._kv.fetch_spans(spans, lookup_id, timeout, tails)
+            hit, sources = self._kv.fetch_spans(spans, lookup_id, timeout, tails, self._direct)
         except Exception as exc:  # never fail the request (or the engine) over the cache
             logger.warning("raykv lookup %s failed: %r", lookup_id, exc)
             return 0, []
@@ -485,7 +494,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             state.hit,
             (state.deadline - time.monotonic()) * 1e3,
         )
-        state.pinned = state.hit > 0
+        # A hit read from the disk files alone pinned nothing (the manager closed it).
+        state.pinned = state.hit > 0 and not (self._direct and direct_start(state.sources) == 0)
         state.saved = state.hit - state.hit % self._chunk  # a partial chunk is saved again
         return state.hit
 
@@ -559,6 +569,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             state.block_ids[: end // self._block_size],
             sync=state.sync_load,
             tail=tail,
+            direct_from=direct_start(state.sources) if self._direct else None,
         )
         self._pending_loads.append(spec)
         state.load_planned = True

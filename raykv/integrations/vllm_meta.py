@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from raykv import metrics
 from raykv.tiers.budget import BoundedKeySet
+from raykv.wire import TIER_CPU, TIER_DISK
 
 try:  # vLLM >= 0.30: the connector's hits are split by tier in vLLM's own stats
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -41,7 +42,9 @@ class LoadSpec:
     `chunk_ends`), `block_ids` the request's blocks from token 0.
     `sync`: copy before this step's forward pass (else on the loader thread).
     `lookup_id` names the lookup whose pins the read releases (None: answered from the
-    scheduler's CPU view, nothing pinned)."""
+    scheduler's CPU view, nothing pinned). `direct_from`: the token where the hit's run
+    on this node's disk tier starts, whose chunks the worker reads from the files itself
+    (`disk_direct_reads`; None: every chunk comes from the manager's `get`)."""
 
     req_id: str
     lookup_id: str | None
@@ -51,6 +54,7 @@ class LoadSpec:
     block_ids: list[int]
     sync: bool
     tail: int = 0
+    direct_from: int | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +129,17 @@ class RayKVConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     writes: set[int] = field(default_factory=set)
+
+
+def direct_start(sources: list[tuple[str, int]]) -> int | None:
+    """Where a hit's disk run starts (a token) when its `sources` are a CPU run, or none,
+    then one disk run: the shape a direct lookup answers without promoting
+    (`LookupPlan.direct_disk`) and that the worker then reads from the files; else None."""
+    if not sources or sources[-1][0] != TIER_DISK or len(sources) > 2:
+        return None
+    if len(sources) == 1:
+        return 0
+    return sources[0][1] if sources[0][0] == TIER_CPU else None
 
 
 def hit_source_split(sources: list[tuple[str, int]], start: int, end: int) -> dict[Any, int]:

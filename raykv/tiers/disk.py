@@ -509,6 +509,21 @@ class DiskStore(DiskScan):
             self._counts["misses"] += len(keys) - hits
         return out
 
+    def location(self) -> tuple[str, str]:
+        """(directory, `secret_tag` of the records' secret or "": what a reader of the
+        files needs to know beside the secret itself)."""
+        return self.directory, secret_tag(self._secret) if self._secret else ""
+
+    def touch(self, keys: Sequence[CacheKey]) -> None:
+        """Count `keys` (a request's prefix, in order) as hits read by a client from the
+        files themselves (`raykv.client.direct`): touched deepest first, as `get` does."""
+        with self._lock:
+            held = [k for k in keys if self._index.size_of(k) is not None]
+            self._index.touch_prefix(held)
+            self._note_stamps(self._stamps(held).items())
+            self._counts["hits"] += len(held)
+            self._counts["misses"] += len(keys) - len(held)
+
     def get_batch(
         self, keys: Sequence[CacheKey]
     ) -> tuple[list[PayloadMeta | None], list[np.ndarray]]:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from raykv.keys import CacheKey, leading
 from raykv.tiers.index import PrefixIndex, Segment, tokens
-from raykv.wire import TIER_CPU, TIER_PEER, TIER_REMOTE, PeerTier, TailCandidates, kind
+from raykv.wire import TIER_CPU, TIER_DISK, TIER_PEER, TIER_REMOTE, PeerTier, TailCandidates, kind
 
 MAX_TAIL_PLANS = 8  # held partial chunks a lookup tries to plan after its whole chunks
 
@@ -184,6 +184,15 @@ class LookupPlan:
     def cpu_prefix(self) -> int:
         """Chunks at the start of the prefix held by the CPU tier (what a pin covers)."""
         return self.segs[0][2] if self.segs and self.segs[0][0] == TIER_CPU else 0
+
+    def direct_disk(self) -> Segment | None:
+        """The disk segment when the prefix past its CPU run is all on the local disk tier
+        (what a client reading the files itself takes, `raykv.client.direct`), else None:
+        a prefix that goes on in another tier is promoted as usual."""
+        lower = self.segs[1:] if self.cpu_prefix() else self.segs
+        if len(lower) == 1 and lower[0][0] == TIER_DISK:
+            return lower[0]
+        return None
 
     def sources(self) -> list[tuple[str, int]]:
         """Where the prefix was found: `[(tier kind, prefix tokens up to the end of its

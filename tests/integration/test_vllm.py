@@ -10,6 +10,7 @@ engines sharing one cache.
 from __future__ import annotations
 
 import gc
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from raykv.actors.base import CPU_STORE_NAME  # noqa: E402
 from raykv.integrations import vllm_worker  # noqa: E402
 from raykv.integrations.vllm_events import OWNERSHIP, POLL_S  # noqa: E402
 from raykv.keys import CacheKey  # noqa: E402
+from raykv.tiers.chunkfiles import chunk_path  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -49,6 +51,7 @@ PROMPTS = {
     "shared2": vt.prompt(15, 3 * vt.CHUNK + 7),  # the two-process test's second request
     "first": vt.prompt(16, 3 * vt.CHUNK + 21),  # the first-forward tests
     "first2": vt.prompt(17, 3 * vt.CHUNK + 25),
+    "direct": vt.prompt(18, 3 * vt.CHUNK + 17),  # the direct disk read test
 }
 SINKS: dict[str, vt.EventSink] = {}  # each engine's KV event subscriber, by namespace
 
@@ -476,10 +479,10 @@ def test_vllm_stats_count_a_hit_under_the_tier_it_came_from(engine, reference, m
     wait_unpinned(kv)
 
 
-def test_a_lookup_that_promotes_chunks_from_below_cpu_is_timed(engine, reference):
-    """A hit found only below the CPU tier is read and promoted by the lookup: the
-    scheduler logs its tokens and the seconds from submission to reply (`lookup_log`,
-    what the isolation benchmark's disk read throughput is made of)."""
+def test_a_lookup_that_finds_chunks_below_cpu_is_timed(engine, reference):
+    """A hit found only below the CPU tier (here on disk: read by the worker from the
+    files, `disk_direct_reads`): the scheduler logs its tokens and the seconds from
+    submission to reply (`lookup_log`, part of the isolation benchmark's disk read)."""
     llm, _, kv = engine
     before = set(ray.get(kv._manager.indexed_keys.remote("cpu")))
     vt.run(llm, [PROMPTS["lower"]])
@@ -497,6 +500,46 @@ def test_a_lookup_that_promotes_chunks_from_below_cpu_is_timed(engine, reference
     [(hit, lower, seconds)] = list(sched.lookup_log)[logged:]
     assert hit == lower == 3 * vt.CHUNK
     assert 0 < seconds < elapsed
+    wait_unpinned(kv)
+
+
+def cpu_keys(kv: raykv.KVCache) -> set[CacheKey]:
+    return set(ray.get(kv._manager.indexed_keys.remote("cpu")))
+
+
+def test_a_disk_hit_is_read_from_the_files_and_a_file_gone_is_recomputed(engine, reference):
+    """`disk_direct_reads`: a hit found only on this node's disk tier is not promoted by
+    its lookup; the worker reads the chunk files itself (the tokens of plain vLLM), and
+    the manager promotes them into CPU behind it. A file gone between the lookup and the
+    read (removed behind the index's back) ends the load: vLLM recomputes those tokens,
+    with the same output."""
+    llm, _, kv = engine
+    worker, sched = vt.worker_connector(), vt.scheduler_connector(llm)
+    assert sched._direct and worker._disk is not None
+    assert kv.flush(60)  # an earlier test's promotions landed
+    before = cpu_keys(kv)
+    vt.run(llm, [PROMPTS["direct"]])
+    settle(llm, kv)
+    mine = list(cpu_keys(kv) - before)
+    assert len(mine) == 3
+    assert ray.get(kv._manager.remove.remote(mine, ["cpu"])) == 3  # still on disk and Redis
+    read, failed = worker._disk.read_bytes, worker.failed_tokens
+    warm = vt.run(llm, [PROMPTS["direct"]])[0]
+    assert warm["cached"] == 3 * vt.CHUNK
+    vt.assert_same_output(warm, reference["direct"])
+    assert worker._disk.read_bytes - read >= 3 * worker._pages.block_nbytes * vt.CHUNK // vt.BLOCK
+    deadline = time.monotonic() + 10
+    while not set(mine) <= cpu_keys(kv):  # promoted into CPU after the answer
+        assert time.monotonic() < deadline, "the disk hit was not promoted into CPU"
+        time.sleep(0.1)
+    wait_unpinned(kv)
+    assert ray.get(kv._manager.remove.remote(mine, ["cpu"])) == 3
+    for key in mine:
+        os.unlink(chunk_path(worker._disk.directory, key))
+    assert llm.reset_prefix_cache()
+    again = vt.run(llm, [PROMPTS["direct"]])[0]
+    vt.assert_same_output(again, reference["direct"])
+    assert worker.failed_tokens - failed == 3 * vt.CHUNK
     wait_unpinned(kv)
 
 

@@ -208,6 +208,38 @@ def test_a_fetch_extends_its_whole_chunks_by_a_partial_chunk_from_the_candidates
         assert np.array_equal(chunk.ref.result()[chunk.index], want)
 
 
+def test_a_direct_fetch_leaves_a_disk_prefix_to_the_caller_unread_and_unpinned(
+    disk_only, monkeypatch
+):
+    """`fetch(direct=True)` (a vLLM worker that reads this node's disk files itself): a
+    prefix found on disk is its hit at once, without the disk tier reading a byte; the
+    lookup is closed (nothing pinned) and the chunks are touched in the disk's policy.
+    Without `direct`, the same fetch reads them (the promotion the reader skips)."""
+    spans = KeyMaker.from_config(disk_only).keys(list(range(3 * C)))
+    chunks = [seeded_chunk(i) for i in range(3)]
+    reads: list[int] = []
+    touched: list[list] = []
+
+    async def scenario() -> tuple:
+        core = await stored(disk_only, spans, chunks)
+        shell = core._t.handles["disk"]._obj
+        get_batch, touch = shell.get_batch, shell.touch
+        monkeypatch.setattr(
+            shell, "get_batch", lambda keys: reads.append(len(keys)) or get_batch(keys)
+        )
+        monkeypatch.setattr(shell, "touch", lambda keys: touched.append(keys) or touch(keys))
+        direct = await core.fetch("req-d", spans, 5, None, None, True)
+        still_open = "req-d" in core._index.lookups
+        hits = shell.stats()["hits"]
+        promoted = await core.fetch("req-p", spans, 5)
+        return direct, still_open, hits, promoted
+
+    direct, still_open, hits, promoted = run(scenario)
+    assert direct == (3 * C, [("disk", 3 * C)]) and not still_open
+    assert touched == [[s.key for s in spans]] and hits == 3
+    assert promoted == (3 * C, [("disk", 3 * C)]) and reads == [3]
+
+
 def test_a_fetch_with_malformed_candidates_is_refused(disk_only):
     whole = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
 

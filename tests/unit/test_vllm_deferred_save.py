@@ -179,7 +179,7 @@ def test_the_copy_threads_run_on_the_helper_cores():
     if len(cpus) < 2:
         pytest.skip("needs two cores")
     conn = object.__new__(RayKVConnector)
-    conn.config = SimpleNamespace(save_after_step=True)
+    conn.config = SimpleNamespace(save_after_step=True, disk_direct_reads=False)
     conn._block_size = BLOCK
     conn._buffers, conn._pending_lock = BufferPool(1 << 20), threading.Lock()
     conn._helper_cpus = frozenset({cpus[-1]})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ if importlib.util.find_spec("vllm") is None:  # only the metadata's base class i
         sys.modules[_name] = types.ModuleType(_name)
     sys.modules[_STUBS[-1]].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
 
+from raykv.client.direct import DiskReader  # noqa: E402
 from raykv.client.staging import BufferPool  # noqa: E402
 from raykv.integrations import vllm_worker  # noqa: E402
 from raykv.integrations.vllm_meta import (  # noqa: E402
@@ -46,6 +48,8 @@ from raykv.integrations.vllm_meta import (  # noqa: E402
 )
 from raykv.integrations.vllm_worker import WorkerSide  # noqa: E402
 from raykv.keys import KeyMaker  # noqa: E402
+from raykv.tiers.chunkfiles import chunk_path  # noqa: E402
+from raykv.tiers.disk import DiskStore  # noqa: E402
 
 for _name in _STUBS:  # later modules must see that vLLM is missing (and skip)
     del sys.modules[_name]
@@ -90,7 +94,10 @@ class Worker(WorkerSide):
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(
-            load_timeout_ms=10_000, lookup_timeout_ms=3000, save_after_step=True
+            load_timeout_ms=10_000,
+            lookup_timeout_ms=3000,
+            save_after_step=True,
+            disk_direct_reads=False,  # a test hands it a DiskReader itself
         )
         self._block_size, self._chunk = BLOCK, CHUNK
         self._kv = DictCache()
@@ -368,6 +375,41 @@ def wait_reported(w: Worker, req_id: str) -> set[str]:
             return done
         time.sleep(0.005)
     raise AssertionError(f"the load of {req_id} was never reported")
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "in-step"])
+@pytest.mark.parametrize("direct_from", [0, CHUNK], ids=["all-files", "cached-then-file"])
+def test_a_load_reads_its_disk_run_from_the_files(worker, sync, direct_from, tmp_path):
+    """`disk_direct_reads`: the chunks from `direct_from` on are read from the disk
+    tier's files (a real DiskStore wrote them; the cache no longer has them), the rest
+    from the cache, and the blocks get the saved bytes. On CUDA from fresh host arrays
+    (a copy may still read one), on CPU from the reader's reused buffers."""
+    w, layers, device = worker
+    want = save_a_step(w, layers, device)
+    spans = w._kv.hashed_spans(HASHES, [CHUNK, 2 * CHUNK])
+    on_disk = [s.key for s in spans if s.end > direct_from]
+    store = DiskStore(tmp_path, 1 << 24, model_name="m")
+    held = [w._kv.chunks.pop(k) for k in on_disk]
+    store.put(on_disk, [m for _, m in held], [np.frombuffer(b, np.uint8) for b, _ in held])
+    assert store.flush(10)
+    w._disk = DiskReader(store.directory, reuse=not w._pages.batched)
+    target = [10, 11, 20, 13]
+    spec = LoadSpec("q", None, HASHES, 0, 2 * CHUNK, target, sync=sync, direct_from=direct_from)
+    w.step(loads=[spec])
+    w.handle_preemptions(w._get_connector_metadata())
+    w.start_load_kv(None)
+    if not sync:
+        assert wait_reported(w, "q") == {"q"}
+    assert blocks_bytes(layers, target) == want and w.get_block_ids_with_load_errors() == set()
+    assert w._disk.read_bytes > 0 and w.failed_tokens == 0
+    os.unlink(chunk_path(store.directory, on_disk[-1]))  # evicted: its blocks fail alone
+    w.step(loads=[LoadSpec("r", None, HASHES, 0, 2 * CHUNK, [5, 6, 7, 8], sync, 0, direct_from)])
+    w.handle_preemptions(w._get_connector_metadata())
+    w.start_load_kv(None)
+    if not sync:
+        assert wait_reported(w, "r") == {"r"}
+    assert w.get_block_ids_with_load_errors() == {7, 8} and w.failed_tokens == CHUNK
+    store.close()
 
 
 def test_a_chunk_the_cache_lacks_makes_its_blocks_load_errors_only(worker):
