@@ -35,7 +35,8 @@ plus the load's: not the engine steps between the reply and the load's submissio
 engine process's CPU seconds per admission and torch's thread count.
 
 Goals (#25): the streams' worst gap per admission (p90) with async loads from disk or
-Redis <= 1.25x (a); async TTFT <= sync TTFT + one engine step, per source; load
+Redis <= 1.25x (a); async TTFT <= sync TTFT + one engine step (the streams' decode step
+timed before the admissions), per source; load
 throughput >= 2 GB/s from CPU; read + load >= 1 GB/s from disk files in the page cache.
 """
 
@@ -72,6 +73,10 @@ TITLE = "vLLM + raykv: running streams while requests load their prefix (vllm-cp
 QUESTION = 64
 STREAMS = 3
 STREAM_PROMPT = 256
+# The streams' decode steps timed before the admissions: the "one engine step" an async
+# load may add to a request's TTFT. (The median step during the admissions is no such
+# unit: where each admission takes one step, every step is an admission's prefill.)
+DECODE_STEPS = 8
 # (arm, source, load_mode): the filler prefills every document once into all raykv tiers.
 # A "-spare" arm runs the connector's threads and Ray's in the engine process on the cores
 # outside `--engine-cores` (`helper_cpus`), as `helper_cpus: auto` does where vLLM binds
@@ -209,6 +214,13 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
     while len(last) < STREAMS:  # every stream is decoding
         for out in eng.step():
             last[out.request_id] = time.perf_counter()
+    decode: list[float] = []  # the streams' own steps, before any admission: "one step"
+    for _ in range(DECODE_STEPS):
+        t0 = time.perf_counter()
+        outs = eng.step()
+        decode.append(time.perf_counter() - t0)
+        for out in outs:
+            last[out.request_id] = time.perf_counter()
     gaps: list[float] = []
     worst: list[float] = []  # each stream's longest gap during each admission
     ttfts: list[float] = []
@@ -257,6 +269,7 @@ def one_repeat(llm: Any, docs: list, rep: int, args: argparse.Namespace, connect
         "ttft": ttfts,
         "adm_steps": adm_steps,
         "step_p50": statistics.median(steps),
+        "decode_step": statistics.median(decode),
         "cpu_per_admission": cpu / len(docs),
         "load_gbs": [b / s / 1e9 for _, b, s in loads if s > 0 and b > 0],
         "load_tokens": sum(t for t, _, _ in loads),
@@ -410,6 +423,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "ttft": [statistics.median(r["ttft"]) for r in rows],
             "adm_steps": [statistics.median(r["adm_steps"]) for r in rows],
             "step": [r["step_p50"] for r in rows],
+            "decode": [r["decode_step"] for r in rows],
             "cpu": [r["cpu_per_admission"] for r in rows],
             "gbs": [statistics.median(r["load_gbs"]) for r in rows if r["load_gbs"]],
             # a direct disk read's lookup reads no bytes: no throughput to report
@@ -429,6 +443,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 spread(m["worst"]),
                 spread(m["ttft"]),
                 spread(m["adm_steps"], 1.0, ".1f"),
+                spread(m["decode"]),
                 spread(m["gbs"], 1.0, ".2f"),
                 spread(m["lookup_gbs"], 1.0, ".2f"),
                 spread(m["read_gbs"], 1.0, ".2f"),
@@ -445,6 +460,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "worst gap/adm. p90 ms",
             "TTFT ms",
             "steps to token",
+            "decode step ms",
             "load GB/s",
             "lookup read GB/s",
             "read+load GB/s",
@@ -511,13 +527,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 ms_row(
                     f"{args.length}: TTFT, {source} async load{said}",
                     a["ttft"],
-                    f"{source} sync load + one step",
-                    (med(s["ttft"]) + med(s["step"])) * 1e3,
+                    f"{source} sync load + one decode step (the streams' own, before admissions)",
+                    (med(s["ttft"]) + med(s["decode"])) * 1e3,
                 )
                 summary.goal(
                     f"{source}: async TTFT <= sync TTFT + one engine step{said}",
-                    round(med(a["ttft"]) / (med(s["ttft"]) + med(s["step"])), 2),
-                    med(a["ttft"]) <= med(s["ttft"]) + med(s["step"]),
+                    round(med(a["ttft"]) / (med(s["ttft"]) + med(s["decode"])), 2),
+                    med(a["ttft"]) <= med(s["ttft"]) + med(s["decode"]),
                 )
         for source in ("disk", "redis"):
             a = per.get(f"{source}-async{v}")

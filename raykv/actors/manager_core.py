@@ -40,10 +40,7 @@ from raykv.errors import InvalidInputError
 from raykv.keys import CacheKey, ChunkSpan, KeyIdentity, leading
 from raykv.payload import PayloadMeta
 from raykv.tiers.cpulog import Cursor
-from raykv.tiers.index import (
-    Lookup,
-    tokens,
-)
+from raykv.tiers.index import Lookup, tokens
 from raykv.tiers.lease import sweep_forever
 from raykv.tiers.lookup import LookupPlan, Need
 from raykv.tiers.remote import RemoteStore
@@ -744,22 +741,17 @@ class ManagerCore:
 
     async def note_engine(self, model_name: str, layout: str) -> dict[str, str]:
         """Record that an engine keyed as `model_name` (its layout in words) uses this
-        namespace, and return the other key names recorded for the same model (the part
-        before `~`): an engine of another layout (TP, backend, block size...), e.g. a
-        cache-warming job, whose chunks the caller can never hit. At most
-        `MAX_ENGINE_NAMES` are kept (the oldest forgotten)."""
+        namespace; the other key names of the same model (before `~`): engines of another
+        layout (TP, backend, block size...), e.g. a cache-warming job, whose chunks the
+        caller can never hit. The last `MAX_ENGINE_NAMES` are kept."""
         if not (isinstance(model_name, str) and isinstance(layout, str)):
             raise InvalidInputError("note_engine takes a key model name and a layout string")
         self._engines.pop(model_name, None)
         self._engines[model_name] = layout[:500]
         while len(self._engines) > MAX_ENGINE_NAMES:
             self._engines.pop(next(iter(self._engines)))
-        model = model_name.partition("~")[0]
-        return {
-            name: text
-            for name, text in self._engines.items()
-            if name != model_name and name.partition("~")[0] == model
-        }
+        model, engines = model_name.partition("~")[0], self._engines.items()
+        return {n: t for n, t in engines if n != model_name and n.partition("~")[0] == model}
 
     async def stats(self) -> dict[str, Any]:
         """Per tier: entries, used bytes, capacity, hits/misses, evictions; overall hit rate."""
@@ -789,6 +781,13 @@ class ManagerCore:
         if tier not in self._index.order:
             raise InvalidInputError(f"tier {tier!r} is not enabled; enabled: {self._index.order}")
         return list(self._index.held(tier))
+
+    async def read_directly(self, keys: list[CacheKey]) -> None:
+        """A client read these chunks from the disk files itself, unasked (a vLLM hit from
+        the scheduler's view): promoted or touched as after a direct lookup."""
+        await self._ready()
+        if TIER_DISK in self._tiers and keys:
+            self._t.read_directly(list(keys))
 
     async def tier_handles(self) -> dict[str, Any]:
         """tier name -> actor handle (for tools and tests)."""

@@ -190,6 +190,7 @@ class StorageManager:
     incarnations = _on_loop("incarnations")
     indexed_keys = _on_loop("indexed_keys")
     tier_handles = _on_loop("tier_handles")
+    read_directly = _on_loop("read_directly")
 
 
 __all__ = [

@@ -40,19 +40,27 @@ class DiskReader:
     call the i-th buffer), so a caller must be done with one call's arrays before the
     next; without, every chunk gets a fresh array (a CUDA copy may still read it)."""
 
-    def __init__(self, directory: str, secret: str | None = None, *, reuse: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str,
+        secret: str | None = None,
+        *,
+        reuse: bool = True,
+        max_nbytes: int = MAX_PAYLOAD_BYTES,
+    ) -> None:
         self.directory = directory
         self._secret = secret
         self._reuse = reuse
+        self._max_nbytes = max_nbytes  # a record declaring more is refused before its read
         self._buffers: list[np.ndarray] = []
         self.read_bytes = 0
         self.failed_reads = 0
 
     @classmethod
-    def local(cls, kv: Any, secret: str | None, *, reuse: bool = True) -> DiskReader | None:
-        """A reader of `kv`'s disk tier, or None (logged once) if this process cannot
-        read it itself: no disk tier, another node, a directory it cannot read or
-        another user owns, or records keyed with a secret it does not hold."""
+    def local(cls, kv: Any, secret: str | None, **options: Any) -> DiskReader | None:
+        """A reader of `kv`'s disk tier (`options`: the constructor's), or None (logged)
+        if this process cannot read it itself: no disk tier, another node, a directory it
+        cannot read or another user owns, or records keyed with a secret it lacks."""
         where = kv.disk_location()
         if where is None:
             return None
@@ -72,7 +80,7 @@ class DiskReader:
         if why is not None:
             logger.info("raykv: disk hits are promoted through the tiers, not read here: %s", why)
             return None
-        return cls(directory, secret, reuse=reuse)
+        return cls(directory, secret, **options)
 
     def read(self, keys: Sequence[CacheKey]) -> list[tuple[np.ndarray, PayloadMeta]]:
         """(body, meta) of each of `keys` in order, stopping at the first that cannot be
@@ -82,7 +90,7 @@ class DiskReader:
             buf = self._buffers[i] if self._reuse and i < len(self._buffers) else None
             try:
                 data = read_file(
-                    chunk_path(self.directory, key), None, MAX_PAYLOAD_BYTES, self._secret, out=buf
+                    chunk_path(self.directory, key), None, self._max_nbytes, self._secret, out=buf
                 )
                 body = decode(data, key.to_string(), key.kv_dtype, secret=self._secret)
             except FileNotFoundError:

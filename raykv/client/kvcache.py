@@ -428,6 +428,11 @@ class KVCache:
             return None
         return str(node), str(directory), str(tag)
 
+    def read_directly(self, spans: list[ChunkSpan]) -> None:
+        """Tell the manager (not waited for) that this client read `spans`' chunks from the
+        disk tier's files itself, unasked (`raykv.client.direct`): it promotes them."""
+        self._send("read_directly", [span.key for span in spans])
+
     def unpin(self, lookup_id: str, wait: bool = True) -> None:
         """Release the pins of a lookup or prefetch without retrieving.
 

@@ -23,7 +23,9 @@ Nothing holds the engine still (`load_mode: async`, the default):
 
 - lookup: the first `get_num_new_matched_tokens` of a request sends a pinned lookup to a
   lookup thread (a prefetch: chunks found only on disk or a remote are promoted into the
-  CPU tier at once) and answers `(None, False)` until it is back, so vLLM schedules the
+  CPU tier at once, except a run on this node's disk tier that ends the hit, which the
+  loader reads from the files itself, `disk_direct_reads`, `raykv.client.direct`) and
+  answers `(None, False)` until it is back, so vLLM schedules the
   other requests meanwhile. Past `max_lookups_in_flight` or `lookup_timeout_ms` the
   request is computed; a late reply's pins are released. With one rank and only local
   tiers (CPU, and disk in async mode), the scheduler answers at once from its copy of
@@ -570,6 +572,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             sync=state.sync_load,
             tail=tail,
             direct_from=direct_start(state.sources) if self._direct else None,
+            unasked=state.lower,
         )
         self._pending_loads.append(spec)
         state.load_planned = True

