@@ -15,7 +15,9 @@ into that source's namespace), so each admission's prefix is:
 * (b) `cpu`: in raykv's CPU tier only (vLLM's cache emptied);
 * (c) `disk`: only in raykv's disk tier (files in the page cache), read by the connector's
   loader from the files (`disk_direct_reads`); `-promote` arms turn that off, so the
-  lookup promotes the chunks through the tier actors first: the direct reads' baseline;
+  lookup promotes the chunks through the tier actors first: the direct reads' baseline
+  (and `-nowait` async arms set `load_wait_ms: 0`: the baseline of a step's end waiting
+  for a load about to end);
 * (d) `redis`: only in Redis (a redis-server on loopback);
 
 and each raykv source runs with `load_mode: async` and `sync`, each twice: with the
@@ -83,16 +85,30 @@ DECODE_STEPS = 8
 # its compute threads itself (`VLLM_CPU_OMP_THREADS_BIND`, which this in-process engine
 # cannot use); the others leave them on the engine's core with its forward passes.
 SPARE = "-spare"
-# A "-promote" disk arm runs with `disk_direct_reads: false`: the lookup promotes the
-# chunks through the tier actors and the object store before it answers (how every disk
-# hit loaded before the worker read the files itself): the direct reads' baseline.
-PROMOTE = "-promote"
+# Variant arms: an arm with one of its connector's paths turned off, the baseline of that
+# path in the same run. "-promote" (disk arms): `disk_direct_reads: false`, the lookup
+# promotes the chunks through the tier actors and the object store before it answers (how
+# every disk hit loaded before the worker read the files itself). "-nowait" (async CPU and
+# disk arms): `load_wait_ms: 0`, a step's end never waits for a load about to end.
+PROMOTE, NOWAIT = "-promote", "-nowait"
+VARIANTS = {
+    PROMOTE: ({"disk_direct_reads": False}, "the lookup promoting them (disk_direct_reads: false)"),
+    NOWAIT: ({"load_wait_ms": 0}, "no wait at a step's end (load_wait_ms: 0)"),
+}
+
+
+def _variants(source: str, mode: str) -> tuple[str, ...]:
+    promote = (PROMOTE,) if source == "disk" else ()
+    nowait = (NOWAIT,) if mode == "async" and source != "redis" else ()
+    return ("", *promote, *nowait)
+
+
 ARMS = (("vllm", "vllm", None),) + tuple(
-    (f"{source}-{mode}{promote}{spare}", source, mode)
+    (f"{source}-{mode}{variant}{spare}", source, mode)
     for spare in ("", SPARE)
     for source in ("cpu", "disk", "redis")
-    for promote in (("", PROMOTE) if source == "disk" else ("",))
     for mode in ("async", "sync")
+    for variant in _variants(source, mode)
 )
 
 
@@ -334,7 +350,9 @@ def main() -> None:
     if args.quick:
         args.length, args.admissions, args.repeats = 4096, 4, 1
         args.arms = args.arms or [
-            arm for arm, _, _ in ARMS if not arm.endswith(SPARE) and PROMOTE not in arm
+            arm
+            for arm, _, _ in ARMS
+            if not arm.endswith(SPARE) and not any(v in arm for v in VARIANTS)
         ]
 
     import ray
@@ -373,8 +391,9 @@ def main() -> None:
                 if args.arms and arm not in args.arms:
                     continue
                 settings = None if mode is None else {**tiers[source], "load_mode": mode}
-                if PROMOTE in arm:
-                    settings["disk_direct_reads"] = False
+                for variant, (changes, _) in VARIANTS.items():
+                    if variant in arm:
+                        settings.update(changes)
                 if arm.endswith(SPARE):
                     if not spare:
                         results[arm] = {"error": "no core outside --engine-cores"}
@@ -545,25 +564,22 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                     round(ratio, 2),
                     ratio <= 1.25,
                 )
-        for mode in ("async", "sync"):  # the worker's own file reads against promotion
-            d, p = per.get(f"disk-{mode}{v}"), per.get(f"disk-{mode}{PROMOTE}{v}")
-            if not (d and p):
-                continue
-            ms_row(
-                f"{args.length}: TTFT, disk {mode} load, files read by the worker{said}",
-                d["ttft"],
-                "the lookup promoting them (disk_direct_reads: false)",
-                med(p["ttft"]) * 1e3,
-            )
-            if d["read_gbs"] and p["read_gbs"]:
-                summary.row(
-                    f"{args.length}: disk {mode} read + load, files read by the worker{said}",
-                    med(d["read_gbs"]),
-                    "GB/s",
-                    "the lookup promoting them (disk_direct_reads: false)",
-                    med(p["read_gbs"]),
-                    value_range=(min(d["read_gbs"]), max(d["read_gbs"])),
-                )
+        for arm, source, mode in ARMS:  # each path against its variant arm: its baseline
+            for variant, (_, baseline) in VARIANTS.items():
+                d, p = per.get(f"{source}-{mode}{v}"), per.get(f"{source}-{mode}{variant}{v}")
+                if arm != f"{source}-{mode}{v}" or not (d and p):
+                    continue
+                ms_row(f"{args.length}: TTFT, {arm}", d["ttft"], baseline, med(p["ttft"]) * 1e3)
+                key = "read_gbs" if source == "disk" else "gbs"
+                if d[key] and p[key]:
+                    summary.row(
+                        f"{args.length}: {arm}, {'read + load' if source == 'disk' else 'load'}",
+                        med(d[key]),
+                        "GB/s",
+                        baseline,
+                        med(p[key]),
+                        value_range=(min(d[key]), max(d[key])),
+                    )
         # The CPU arm's load times the copy from the object store into vLLM's blocks. The
         # disk goal takes the lookup's time (submission to reply) and the load's together:
         # the files are read by the loader (direct) or by the lookup (`-promote` arms).

@@ -125,6 +125,7 @@ class RayKVConfig:
     disk_direct_reads: bool = True  # vLLM connector: disk hits on this node read from the files
     sync_load_max_bytes: int = 33554432  # vLLM connector: async mode loads hits this small in-step
     load_timeout_ms: int = 30000  # vLLM connector: an async load still running then is recomputed
+    load_wait_ms: int = 10  # vLLM connector: per step, how long a step's end waits for ending loads
     save_after_step: bool = True  # vLLM connector, CPU engine: blocks copied out after the step
     helper_cpus: str = "auto"  # engine process: cores for raykv's and Ray's threads ("": leave)
     extra_config: dict[str, Any] = field(default_factory=dict)  # free-form settings for extensions
@@ -393,7 +394,7 @@ def _validate(cfg: RayKVConfig) -> None:
         "max_lookups_in_flight",
     ):
         _require(cfg, name, getattr(cfg, name) >= 1, "must be an integer >= 1")
-    for name in ("lookup_wait_ms", "sync_load_max_bytes"):
+    for name in ("lookup_wait_ms", "load_wait_ms", "sync_load_max_bytes"):
         _require(cfg, name, getattr(cfg, name) >= 0, "must be an integer >= 0")
     _require(cfg, "disk_queue_wait_secs", cfg.disk_queue_wait_secs >= 0, "must be >= 0 seconds")
     _require(cfg, "store_staging_size", cfg.store_staging_size >= 0, "must be >= 0 GB")

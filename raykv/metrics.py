@@ -48,7 +48,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "raykv_connector_waits": (
         "counter",
         "Engine steps that waited on raykv: a vLLM request for its lookup or for a load in "
-        "flight; a worker's step for a save's copy of a block it reuses (save_copy).",
+        "flight; a worker's step for a save's copy of a block it reuses (save_copy), or at "
+        "its end for a load about to end (ending_load, load_wait_ms).",
         ("reason",),
     ),
     "raykv_connector_loads": (

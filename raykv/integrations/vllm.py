@@ -35,10 +35,11 @@ Nothing holds the engine still (`load_mode: async`, the default):
   after the forward's launch when no load is in-step; on CPU `handle_preemptions`, before
   the forward, since there the launch is its end); `get_finished` reports the
   request once its blocks are written (failed blocks in the same pass, and vLLM
-  recomputes them). At most `max_loads_in_flight` loads at once; a hit whose chunks
-  another request is loading waits and then finds them in vLLM's own cache; an abort or
-  `load_timeout_ms` stops a load between two chunks (on CPU, between two copies of up
-  to 8) before it is reported.
+  recomputes them); it waits up to `load_wait_ms` for loads that, at their rate so far,
+  end within it, whose requests then run a step sooner. At most `max_loads_in_flight`
+  loads at once; a hit whose chunks another request is loading waits and then finds
+  them in vLLM's own cache; an abort or `load_timeout_ms` stops a load between two
+  chunks (on CPU, between two copies of up to 8) before it is reported.
   A hit of at most `sync_load_max_bytes` (32 MiB) is copied in its own step instead:
   that copy is a few milliseconds, and an async load costs the request a whole step.
 - save: every newly completed chunk is copied out of the blocks (one copy: on CPU by a
@@ -301,6 +302,7 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         self.save_log: deque[tuple[int, float]] = deque(maxlen=1024)
         self.gather_log: deque[tuple[int, float]] = deque(maxlen=1024)
         self.waits_for_gather = 0  # steps that waited for a save copy of a block they reuse
+        self.load_waits = 0  # steps whose end waited for a load about to end (load_wait_ms)
         logger.info(
             "raykv connector (%s, load_mode=%s) keys as %s",
             role.name,

@@ -114,13 +114,33 @@ class RequestState:
 
 
 @dataclass(slots=True)
+class LoadProgress:
+    """How far an async load got: written by its loader thread after each copy, read by
+    `get_finished` (which waits for a load about to end: `load_wait_ms`)."""
+
+    start: int  # tokens [start, end) to load
+    end: int
+    began: float = 0.0  # perf_counter when its read began (0: not yet)
+    done: int = 0  # the token the blocks written so far reach (<= start: none yet)
+    at: float = 0.0  # perf_counter of the last copy
+
+    def eta(self, now: float) -> float | None:
+        """Seconds until the load ends at its rate so far; None before its first copy."""
+        if self.done <= self.start or self.at <= self.began:
+            return None
+        rate = (self.done - self.start) / (self.at - self.began)
+        return max(0.0, (self.end - self.done) / rate - (now - self.at))
+
+
+@dataclass(slots=True)
 class WorkerLoad:
     """An asynchronous load on a worker: its spec, its loader thread's future (the block
-    ids it could not write) and a flag that stops it at the next chunk."""
+    ids it could not write), a flag that stops it at the next chunk, and its progress."""
 
     spec: LoadSpec
     future: Future
     stop: threading.Event
+    progress: LoadProgress
 
 
 @dataclass
@@ -224,6 +244,7 @@ WORKER_COUNTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "loaded_tokens": ("raykv_connector_load_tokens", {"result": "loaded"}),
     "failed_tokens": ("raykv_connector_load_tokens", {"result": "failed"}),
     "waits_for_gather": ("raykv_connector_waits", {"reason": "save_copy"}),
+    "load_waits": ("raykv_connector_waits", {"reason": "ending_load"}),
 }
 
 
@@ -255,6 +276,7 @@ __all__ = [
     "RequestState",
     "SaveSpec",
     "WORKER_COUNTER_METRICS",
+    "LoadProgress",
     "WorkerLoad",
     "chunk_ends",
     "hit_source_split",

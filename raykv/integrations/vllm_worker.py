@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from raykv.client.staging import pinned_buffer
 from raykv.cpus import executor
 from raykv.errors import ConfigError, InvalidInputError, RayKVError
 from raykv.integrations.vllm_meta import (
+    LoadProgress,
     LoadSpec,
     RayKVConnectorMetadata,
     SaveSpec,
@@ -170,9 +172,10 @@ class WorkerSide:
             if spec.sync:  # in the step
                 continue
             after = self._pages.compute_event() if after is None else after
-            stop = threading.Event()
-            future = self._loader.submit(self._load, spec, stop, time.perf_counter(), after)
-            self._loads[spec.req_id] = WorkerLoad(spec, future, stop)
+            stop, progress = threading.Event(), LoadProgress(spec.start, spec.end)
+            now = time.perf_counter()
+            future = self._loader.submit(self._load, spec, stop, now, after, progress)
+            self._loads[spec.req_id] = WorkerLoad(spec, future, stop, progress)
 
     def _load(
         self,
@@ -180,6 +183,7 @@ class WorkerSide:
         stop: threading.Event | None,
         submitted: float | None = None,
         after: Any = None,
+        progress: LoadProgress | None = None,
     ) -> set[int]:
         """Copy [start, end) into the blocks; the block ids it could not fill. On CPU the
         chunks are copied `HOST_LOAD_PARTS` at a time (`PageConnector.load_many`), and a
@@ -195,6 +199,8 @@ class WorkerSide:
         try:
             if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
                 raise LoadEnded("aborted" if stop.is_set() else "timed out", "before its read")
+            progress = LoadProgress(spec.start, spec.end) if progress is None else progress
+            progress.began = time.perf_counter()
             ends = chunk_ends(len(spec.hashes), self._chunk, spec.tail)
             spans = [s for s in self._kv.hashed_spans(spec.hashes, ends) if s.end > spec.start]
             # The chunks from `direct_from` on are read from the disk tier's files here.
@@ -222,7 +228,8 @@ class WorkerSide:
                         self._pages.wait_on_compute(written)
                     else:  # a loader thread: reported once the blocks hold the bytes
                         written.synchronize()
-                    done = end
+                    done = progress.done = end
+                    progress.at = time.perf_counter()
                 if len(parts) < len(group):  # a chunk missing or unreadable: the rest is not
                     break
         except LoadEnded as why:
@@ -264,11 +271,28 @@ class WorkerSide:
             load = self._loads.get(req_id)
             if load is not None:
                 load.stop.set()
+        self._wait_for_ending_loads()
         done = {req_id for req_id, load in self._loads.items() if load.future.done()}
         for req_id in done:
             self._load_errors |= self._loads.pop(req_id).future.result()
         self._worker_exported.export(self)
         return None, done or None
+
+    def _wait_for_ending_loads(self) -> None:
+        """Wait up to `load_wait_ms` in all (the step's end is held that long at most) for
+        the async loads that, at their rate so far, end within it: each one that does is
+        reported now, so its request runs in the next step instead of the one after (an
+        async hit's TTFT is then the step its load ran beside plus its own step)."""
+        left = self.config.load_wait_ms / 1000.0
+        for load in list(self._loads.values()):
+            now = time.perf_counter()
+            if left <= 0 or load.future.done() or load.stop.is_set():
+                continue
+            eta = load.progress.eta(now)
+            if eta is not None and eta <= left:
+                wait_futures([load.future], timeout=left)
+                self.load_waits += 1
+            left -= time.perf_counter() - now
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads write whole blocks of every layer before they are reported

@@ -73,13 +73,14 @@ def test_worker_counters_reach_metrics_as_loaded_and_failed_tokens(monkeypatch):
     monkeypatch.setattr(metrics, "inc", lambda n, v, **tags: recorded.append((n, v, tags)))
 
     class Worker:
-        loaded_tokens, failed_tokens, waits_for_gather = 0, 0, 0
+        loaded_tokens, failed_tokens, waits_for_gather, load_waits = 0, 0, 0, 0
 
     w, export = Worker(), CounterExport(WORKER_COUNTER_METRICS)
-    w.loaded_tokens, w.failed_tokens, w.waits_for_gather = 512, 64, 2
+    w.loaded_tokens, w.failed_tokens, w.waits_for_gather, w.load_waits = 512, 64, 2, 3
     export.export(w)
     assert recorded == [
         ("raykv_connector_load_tokens", 512, {"result": "loaded"}),
         ("raykv_connector_load_tokens", 64, {"result": "failed"}),
         ("raykv_connector_waits", 2, {"reason": "save_copy"}),
+        ("raykv_connector_waits", 3, {"reason": "ending_load"}),
     ]

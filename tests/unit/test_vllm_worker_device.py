@@ -98,6 +98,7 @@ class Worker(WorkerSide):
             lookup_timeout_ms=3000,
             save_after_step=True,
             disk_direct_reads=False,  # a test hands it a DiskReader itself
+            load_wait_ms=0,  # a test sets it
         )
         self._block_size, self._chunk = BLOCK, CHUNK
         self._kv = DictCache()
@@ -362,6 +363,53 @@ def test_a_cpu_load_copies_a_few_chunks_at_a_time_and_ends_between_copies(monkey
         assert w._load(spec, abort) == {20, 13} and calls == [1]
         assert blocks_bytes(layers, [10, 11]) == blocks_bytes_of(want, 0)
         assert not any(layer[[20, 13]].view(torch.int16).any() for layer in layers)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize(
+    ("first_s", "second_s", "wait_ms", "reported"),
+    [
+        (0.0, 0.05, 200, True),  # ends well within the wait: reported by this step
+        (0.0, 0.05, 0, False),  # load_wait_ms 0: never waited for
+        (0.1, 0.1, 20, False),  # at its rate it ends past the wait: not waited for at all
+    ],
+)
+def test_a_steps_end_waits_only_for_a_load_about_to_end(
+    monkeypatch, first_s, second_s, wait_ms, reported
+):
+    """`load_wait_ms`: `get_finished` waits (that long in all) for the async loads that,
+    at their rate so far, end within it, so their requests run a step sooner; a load
+    that would not end in time is not waited for (the step's end is not held)."""
+    layers = random_bits("cpu", seed=0)
+    w = Worker()
+    w.config.load_wait_ms = wait_ms
+    w.register_kv_caches({f"layer.{i}": t for i, t in enumerate(layers)})
+    try:
+        save_a_step(w, layers, "cpu")
+        real, copies = w._pages.load_many, []
+
+        def load_many(parts):
+            time.sleep(first_s if not copies else second_s)
+            copies.append(len(parts))
+            real(parts)
+
+        monkeypatch.setattr(w._pages, "load_many", load_many)
+        monkeypatch.setattr(vllm_worker, "HOST_LOAD_PARTS", 1)  # two copies, one a chunk
+        w.step(loads=[LoadSpec("q", None, HASHES, 0, 2 * CHUNK, [10, 11, 20, 13], sync=False)])
+        w.handle_preemptions(w._get_connector_metadata())
+        progress = w._loads["q"].progress
+        deadline = time.monotonic() + 10
+        while progress.done == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the first copy is done: the load has a rate
+        t0 = time.perf_counter()
+        _, done = w.get_finished(set())
+        held = time.perf_counter() - t0
+        assert (done == {"q"}) == reported and w.load_waits == int(reported)
+        assert held < (wait_ms / 1000 + 0.02 if reported else 0.02)
+        if not reported:
+            wait_reported(w, "q")
+        assert w.get_block_ids_with_load_errors() == set()
     finally:
         w.close()
 
