@@ -782,12 +782,15 @@ class ManagerCore:
             raise InvalidInputError(f"tier {tier!r} is not enabled; enabled: {self._index.order}")
         return list(self._index.held(tier))
 
-    async def read_directly(self, keys: list[CacheKey]) -> None:
-        """A client read these chunks from the disk files itself, unasked (a vLLM hit from
-        the scheduler's view): promoted or touched as after a direct lookup."""
+    async def read_directly(self, keys: list[CacheKey], bad: Sequence[CacheKey] = ()) -> None:
+        """A client read `keys` from the disk files itself, unasked (a vLLM hit from the
+        scheduler's view): promoted or touched as after a direct lookup. The files of
+        `bad` it found gone or corrupt: dropped from the disk tier, as its own read would."""
         await self._ready()
         if TIER_DISK in self._tiers and keys:
             self._t.read_directly(list(keys))
+        if TIER_DISK in self._tiers and bad:
+            await self.remove(list(bad), [TIER_DISK])
 
     async def tier_handles(self) -> dict[str, Any]:
         """tier name -> actor handle (for tools and tests)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,9 +37,10 @@ logger = logging.getLogger(__name__)
 
 class DiskReader:
     """Reads chunk records from one disk tier directory on this node (see the module
-    docstring). With `reuse`, each `read` fills the same buffers (the i-th chunk of a
-    call the i-th buffer), so a caller must be done with one call's arrays before the
-    next; without, every chunk gets a fresh array (a CUDA copy may still read it)."""
+    docstring). With `reuse`, each `read` fills its thread's buffers (the i-th chunk of a
+    call the i-th buffer), so a thread must be done with one call's arrays before its
+    next call (another thread's calls use buffers of their own); without, every chunk
+    gets a fresh array (a CUDA copy may still read it)."""
 
     def __init__(
         self,
@@ -52,7 +54,7 @@ class DiskReader:
         self._secret = secret
         self._reuse = reuse
         self._max_nbytes = max_nbytes  # a record declaring more is refused before its read
-        self._buffers: list[np.ndarray] = []
+        self._mine = threading.local()  # .buffers: this thread's (the loader's, the engine's)
         self.read_bytes = 0
         self.failed_reads = 0
 
@@ -82,12 +84,16 @@ class DiskReader:
             return None
         return cls(directory, secret, **options)
 
-    def read(self, keys: Sequence[CacheKey]) -> list[tuple[np.ndarray, PayloadMeta]]:
-        """(body, meta) of each of `keys` in order, stopping at the first that cannot be
-        read or fails its checks (logged): what came before is still good."""
+    def read(
+        self, keys: Sequence[CacheKey]
+    ) -> tuple[list[tuple[np.ndarray, PayloadMeta]], CacheKey | None]:
+        """(body, meta) of each of `keys` in order, stopping at the first whose file is
+        gone or fails its checks (logged): what came before is still good. Also that key
+        (None if every one was read), which the disk tier should drop."""
         out: list[tuple[np.ndarray, PayloadMeta]] = []
+        buffers = self._buffers()
         for i, key in enumerate(keys):
-            buf = self._buffers[i] if self._reuse and i < len(self._buffers) else None
+            buf = buffers[i] if i < len(buffers) else None
             try:
                 data = read_file(
                     chunk_path(self.directory, key), None, self._max_nbytes, self._secret, out=buf
@@ -96,25 +102,27 @@ class DiskReader:
             except FileNotFoundError:
                 logger.info("raykv: the file of %s is gone (evicted since its lookup)", key)
                 self.failed_reads += 1
-                break
+                return out, key
             except (OSError, PayloadError) as exc:
                 logger.warning("raykv: cannot read the disk tier's file of %s: %s", key, exc)
                 self.failed_reads += 1
-                break
-            if buf is None or data.base is not buf:  # a fresh array: the next call reuses it
-                self._keep(i, data)
+                return out, key
+            if self._reuse and (buf is None or data.base is not buf):  # a fresh array,
+                if i < len(buffers):  # kept for this thread's next call
+                    buffers[i] = data
+                else:
+                    buffers.append(data)
             self.read_bytes += data.nbytes
             out.append((body.data, body.meta))
-        return out
+        return out, None
 
-    def _keep(self, i: int, data: np.ndarray) -> None:
-        """Keep the fresh array a read made as the i-th buffer (one per position)."""
+    def _buffers(self) -> list[np.ndarray]:
+        """This thread's reused buffers (empty without `reuse`)."""
         if not self._reuse:
-            return
-        if i < len(self._buffers):
-            self._buffers[i] = data
-        else:
-            self._buffers.append(data)
+            return []
+        if not hasattr(self._mine, "buffers"):
+            self._mine.buffers = []
+        return self._mine.buffers
 
 
 __all__ = ["DiskReader"]

@@ -352,13 +352,13 @@ class KVCache:
         direct: bool = False,
     ) -> tuple[int, list[tuple[str, int]]]:
         """`prefetch_spans` then `wait_sources`, in one manager round trip: prefix tokens
-        pinned in CPU under `lookup_id` (0: nothing pinned, nothing to release) and
-        where they were found. A fault answers `(0, [])`. `tails`: candidate partial
-        chunks, of which the first held right after the whole chunks found extends the
-        prefix (`save_unfull_chunk`). With `direct` (a caller that reads the disk tier's
-        files itself, `raykv.client.direct`), a prefix whose chunks below CPU are all on
-        disk is answered without promoting them: its sources then end in one disk run,
-        whose chunks are counted but not pinned."""
+        pinned in CPU under `lookup_id` (0: nothing pinned, nothing to release; nor for a
+        `direct` hit found on disk alone) and where they were found. A fault answers
+        `(0, [])`. `tails`: candidate partial chunks, of which the first held right after
+        the whole chunks found extends the prefix (`save_unfull_chunk`). With `direct` (a caller
+        that reads the disk tier's files itself, `raykv.client.direct`), a prefix whose
+        chunks below CPU are all on disk is answered without promoting them: its sources
+        then end in one disk run, whose chunks are counted but not pinned."""
         check_timeout(timeout)
         check_spans(spans)
         if not spans and (tails is None or not tails.starts):
@@ -423,15 +423,16 @@ class KVCache:
             return None
         try:
             node, directory, tag = ray.get(disk.location.remote(), timeout=wait)
-        except RayError as exc:
+        except (RayError, AttributeError) as exc:  # AttributeError: an older tier actor
             logger.warning("raykv: cannot ask the disk tier where it is: %r", exc)
             return None
         return str(node), str(directory), str(tag)
 
-    def read_directly(self, spans: list[ChunkSpan]) -> None:
+    def read_directly(self, spans: list[ChunkSpan], bad: Sequence[CacheKey] = ()) -> None:
         """Tell the manager (not waited for) that this client read `spans`' chunks from the
-        disk tier's files itself, unasked (`raykv.client.direct`): it promotes them."""
-        self._send("read_directly", [span.key for span in spans])
+        disk tier's files itself, unasked (`raykv.client.direct`: it promotes them), and
+        found the files of `bad` gone or corrupt (the disk tier drops them)."""
+        self._send("read_directly", [span.key for span in spans], list(bad))
 
     def unpin(self, lookup_id: str, wait: bool = True) -> None:
         """Release the pins of a lookup or prefetch without retrieving.

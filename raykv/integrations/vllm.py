@@ -439,12 +439,13 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
         deadline: float | None = None,
         submitted: float | None = None,
     ) -> tuple[int, list]:
-        """On a lookup thread: prefix tokens ready in CPU for `spans` (and one of `tails`
-        after them), pinned (0: nothing pinned, nothing to release), and the tiers they
-        were found in. A lookup that waited in the queue past its `deadline` (a slow
-        manager) is not sent: its request is computed already, and a backlog of such
-        lookups would keep the manager busy promoting chunks nobody reads. One that
-        found chunks below CPU is timed from `submitted` (`lookup_log`)."""
+        """On a lookup thread: prefix tokens ready in CPU for `spans` (and one of `tails` after
+        them), pinned (0: nothing pinned, nothing to release; nor for a hit the workers read
+        from this node's disk files alone), and the tiers they were found in. A lookup that
+        waited in the queue past its `deadline` (a slow manager) is not sent: its request is
+        computed already, and a backlog of such lookups would keep the manager busy
+        promoting chunks nobody reads. One that found chunks below CPU is timed from
+        `submitted` (`lookup_log`)."""
         timeout = self.config.lookup_timeout_ms / 1e3
         if deadline is not None:
             timeout = deadline - time.monotonic()

@@ -37,16 +37,15 @@ _HIT_SOURCES: dict[str, Any] = (
 class LoadSpec:
     """Copy tokens [start, end) of a request from raykv into its blocks.
 
-    `hashes` are vLLM's block hashes at the ends of the chunks holding them (chunk i
-    ends at token (i + 1) * chunk_size; the last at `tail` when that is a partial chunk:
-    `chunk_ends`), `block_ids` the request's blocks from token 0.
-    `sync`: copy before this step's forward pass (else on the loader thread).
-    `lookup_id` names the lookup whose pins the read releases (None: answered from the
-    scheduler's CPU view, nothing pinned). `direct_from`: the token where the hit's run
-    on this node's disk tier starts, whose chunks the worker reads from the files itself
-    (`disk_direct_reads`; None: every chunk comes from the manager's `get`); `unasked`:
-    no lookup told the manager of that run (the scheduler's view answered), so the
-    worker does, to have them promoted or touched."""
+    `hashes` are vLLM's block hashes at the ends of the chunks holding them (chunk i ends at
+    token (i + 1) * chunk_size; the last at `tail` when that is a partial chunk: `chunk_ends`),
+    `block_ids` the request's blocks from token 0. `sync`: copy before this step's forward pass
+    (else on the loader thread). `lookup_id` names the lookup whose pins the read releases
+    (None: nothing pinned, the scheduler's CPU view answered, or the hit is read from the disk
+    files alone). `direct_from`: the token where the hit's run on this node's disk tier starts,
+    whose chunks the worker reads from the files itself (`disk_direct_reads`; None: every chunk
+    comes from the manager's `get`); `unasked`: no lookup told the manager of that run (the
+    scheduler's view answered), so the worker does, to have them promoted or touched."""
 
     req_id: str
     lookup_id: str | None

@@ -215,9 +215,9 @@ class WorkerSide:
             cached = len(groups)
             if len(chunks) == cut:  # all read: the disk run follows
                 groups += [spans[a : a + step] for a in range(cut, len(spans), step)]
-            for i, group in enumerate(groups):
-                if stop is not None and (stop.is_set() or time.perf_counter() > deadline):
-                    why = "aborted" if stop.is_set() else "timed out"
+            for i, group in enumerate(groups):  # an in-step load's reads end at its deadline too
+                if (stop is not None and stop.is_set()) or time.perf_counter() > deadline:
+                    why = "aborted" if stop is not None and stop.is_set() else "timed out"
                     logger.info("raykv load of %s %s at token %d", spec.req_id, why, done)
                     break
                 items = group if i < cached else self._read_files(group, spec.unasked)
@@ -254,12 +254,13 @@ class WorkerSide:
         return set(spec.block_ids[done // bs : spec.end // bs])
 
     def _read_files(self, spans: list[ChunkSpan], tell: bool) -> list[tuple[ChunkSpan, Any, Any]]:
-        """(span, body, meta) of the leading `spans` whose disk files read and check; with
-        `tell`, the manager hears of them (it promotes them: `KVCache.read_directly`)."""
+        """(span, body, meta) of the leading `spans` whose disk files read and check. The
+        manager hears of a file gone or refused (the disk tier drops it) and, with `tell`,
+        of those read (it promotes them: `KVCache.read_directly`)."""
         assert self._disk is not None
-        got = self._disk.read([span.key for span in spans])
-        if tell and got:
-            self._kv.read_directly(spans[: len(got)])
+        got, bad = self._disk.read([span.key for span in spans])
+        if (tell and got) or bad is not None:
+            self._kv.read_directly(spans[: len(got)] if tell else [], [] if bad is None else [bad])
         return [(span, body, meta) for span, (body, meta) in zip(spans, got, strict=False)]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -283,7 +284,7 @@ class WorkerSide:
         the async loads that, at their rate so far, end within it: each one that does is
         reported now, so its request runs in the next step instead of the one after (an
         async hit's TTFT is then the step its load ran beside plus its own step)."""
-        left = self.config.load_wait_ms / 1000.0
+        left, waited = self.config.load_wait_ms / 1000.0, False
         for load in list(self._loads.values()):
             now = time.perf_counter()
             if left <= 0 or load.future.done() or load.stop.is_set():
@@ -291,8 +292,9 @@ class WorkerSide:
             eta = load.progress.eta(now)
             if eta is not None and eta <= left:
                 wait_futures([load.future], timeout=left)
-                self.load_waits += 1
+                waited = True
             left -= time.perf_counter() - now
+        self.load_waits += waited  # steps, not loads
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads write whole blocks of every layer before they are reported

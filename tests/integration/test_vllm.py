@@ -507,7 +507,9 @@ def cpu_keys(kv: raykv.KVCache) -> set[CacheKey]:
     return set(ray.get(kv._manager.indexed_keys.remote("cpu")))
 
 
-def test_a_disk_hit_is_read_from_the_files_and_a_file_gone_is_recomputed(engine, reference):
+def test_a_disk_hit_is_read_from_the_files_and_a_file_gone_is_recomputed(
+    engine, reference, monkeypatch
+):
     """`disk_direct_reads`: a hit found only on this node's disk tier is not promoted by
     its lookup; the worker reads the chunk files itself (the tokens of plain vLLM), and
     the manager promotes them into CPU behind it. A file gone between the lookup and the
@@ -537,9 +539,26 @@ def test_a_disk_hit_is_read_from_the_files_and_a_file_gone_is_recomputed(engine,
     for key in mine:
         os.unlink(chunk_path(worker._disk.directory, key))
     assert llm.reset_prefix_cache()
+    gone: list[CacheKey] = []
+    real_read = worker._disk.read
+
+    def read(keys: list[CacheKey]) -> Any:
+        got, bad = real_read(keys)
+        gone.extend([bad] if bad is not None else [])
+        return got, bad
+
+    monkeypatch.setattr(worker._disk, "read", read)
     again = vt.run(llm, [PROMPTS["direct"]])[0]
     vt.assert_same_output(again, reference["direct"])
     assert worker.failed_tokens - failed == 3 * vt.CHUNK
+    # The first gone file ended the load; the disk tier dropped it (here the manager's
+    # promotion behind the lookup read it; the worker also reports it, which is what
+    # drops it without a CPU tier: test_manager_core), so the chunk computed again was
+    # written again: an index entry does not outlive its file.
+    assert len(gone) == 1
+    settle(llm, kv)
+    if gone[0] in set(ray.get(kv._manager.indexed_keys.remote("disk"))):
+        assert os.path.exists(chunk_path(worker._disk.directory, gone[0]))
     wait_unpinned(kv)
 
 

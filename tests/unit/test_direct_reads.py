@@ -6,6 +6,7 @@ stored, buffers reused, and a gone, damaged or foreign-keyed file ending the rea
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +42,26 @@ def written(tmp_path: Path, n: int, secret: str | None = None) -> tuple[DiskStor
 def test_the_reader_returns_the_stored_bytes_into_reused_buffers(tmp_path):
     store, keys, arrays = written(tmp_path, 3)
     reader = DiskReader(store.directory)
-    first = reader.read(keys)
+    first, bad = reader.read(keys)
+    assert bad is None
     assert [meta for _, meta in first] == [seeded_chunk(i)[0] for i in range(3)]
     for (body, _), want in zip(first, arrays, strict=True):
         assert np.array_equal(body, want)
     homes = [body.base for body, _ in first]
-    again = reader.read(keys[::-1])  # the i-th chunk of a call: the i-th buffer
+    again, _ = reader.read(keys[::-1])  # the i-th chunk of a call: the i-th buffer
     for (body, _), want in zip(again, arrays[::-1], strict=True):
         assert np.array_equal(body, want)
     assert [np.shares_memory(b, h) for (b, _), h in zip(again, homes, strict=True)] == [True] * 3
     assert reader.read_bytes > 3 * arrays[0].nbytes * 2 and reader.failed_reads == 0
     fresh = DiskReader(store.directory, reuse=False)
-    one, two = fresh.read(keys[:1]), fresh.read(keys[:1])
+    (one, _), (two, _) = fresh.read(keys[:1]), fresh.read(keys[:1])
     assert not np.shares_memory(one[0][0], two[0][0])  # a CUDA copy may still read one
+    other: list = []  # another thread (the engine's, beside the loader's) reads into its own
+    thread = threading.Thread(target=lambda: other.extend(reader.read(keys)[0]))
+    thread.start()
+    thread.join()
+    assert not any(np.shares_memory(b, h) for (b, _) in other for h in homes)
+    assert [np.array_equal(b, a) for (b, _), a in zip(other, arrays, strict=True)] == [True] * 3
     store.close()
 
 
@@ -61,23 +69,23 @@ def test_a_gone_or_damaged_file_ends_the_read_there(tmp_path):
     store, keys, arrays = written(tmp_path, 4)
     os.unlink(chunk_path(store.directory, keys[2]))  # evicted since the lookup
     reader = DiskReader(store.directory)
-    got = reader.read(keys)
-    assert len(got) == 2 and np.array_equal(got[1][0], arrays[1])
+    got, bad = reader.read(keys)
+    assert len(got) == 2 and np.array_equal(got[1][0], arrays[1]) and bad == keys[2]
     path = chunk_path(store.directory, keys[1])
     raw = bytearray(Path(path).read_bytes())
     raw[-1] ^= 0xFF  # one flipped bit in the body: the checksum refuses it
     Path(path).write_bytes(bytes(raw))
-    assert len(reader.read(keys)) == 1
-    assert reader.failed_reads == 2
+    assert [len(got) for got in reader.read(keys)[:1]] == [1] and reader.read(keys)[1] == keys[1]
+    assert reader.failed_reads == 3
     store.close()
 
 
 def test_records_keyed_with_a_secret_are_read_only_with_it(tmp_path):
     store, keys, arrays = written(tmp_path, 2, secret=SECRET)
-    keyed = DiskReader(store.directory, SECRET).read(keys)
+    keyed, _ = DiskReader(store.directory, SECRET).read(keys)
     assert [np.array_equal(b, a) for (b, _), a in zip(keyed, arrays, strict=True)] == [True] * 2
-    assert DiskReader(store.directory).read(keys) == []  # a plain reader refuses them
-    assert DiskReader(store.directory, SECRET[::-1]).read(keys) == []
+    assert DiskReader(store.directory).read(keys) == ([], keys[0])  # a plain reader refuses
+    assert DiskReader(store.directory, SECRET[::-1]).read(keys) == ([], keys[0])
     store.close()
 
 
@@ -129,7 +137,7 @@ def test_only_a_cpu_run_then_one_disk_run_is_read_from_the_files(sources, start)
 
 def test_a_record_larger_than_the_readers_bound_is_refused_before_its_read(tmp_path):
     store, keys, arrays = written(tmp_path, 1)
-    assert len(DiskReader(store.directory, max_nbytes=arrays[0].nbytes).read(keys)) == 1
+    assert len(DiskReader(store.directory, max_nbytes=arrays[0].nbytes).read(keys)[0]) == 1
     small = DiskReader(store.directory, max_nbytes=arrays[0].nbytes - 1)
-    assert small.read(keys) == [] and small.read_bytes == 0 and small.failed_reads == 1
+    assert small.read(keys) == ([], keys[0]) and small.read_bytes == 0 and small.failed_reads == 1
     store.close()

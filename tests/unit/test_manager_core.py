@@ -240,6 +240,24 @@ def test_a_direct_fetch_leaves_a_disk_prefix_to_the_caller_unread_and_unpinned(
     assert promoted == (3 * C, [("disk", 3 * C)]) and reads == [3]
 
 
+def test_chunks_a_client_read_itself_are_touched_and_its_gone_files_dropped(disk_only):
+    """`read_directly` (a vLLM worker that read disk files without a manager lookup, or
+    found one gone or corrupt): without a CPU tier the chunks read are touched in the
+    disk tier's policy; a file reported bad leaves the index and the tier, so a later
+    put writes it again instead of taking it as held."""
+    spans = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
+    chunks = [seeded_chunk(i) for i in range(2)]
+
+    async def scenario() -> tuple:
+        core = await stored(disk_only, spans, chunks)
+        shell = core._t.handles["disk"]._obj
+        await core.read_directly([spans[0].key], [spans[1].key])
+        return set(await core.indexed_keys("disk")), shell.keys(), shell.stats()["hits"]
+
+    indexed, held, hits = run(scenario)
+    assert indexed == set(held) == {spans[0].key} and hits == 1
+
+
 def test_a_fetch_with_malformed_candidates_is_refused(disk_only):
     whole = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
 

@@ -68,6 +68,10 @@ class DictCache:
         self.maker = KeyMaker(chunk_size=CHUNK, model_name="m")
         self.chunks: dict[Any, tuple[bytes, Any]] = {}
         self.puts = 0
+        self.told: list = []  # read_directly's calls: (keys read unasked, keys gone or bad)
+
+    def read_directly(self, spans: list, bad: Any = ()) -> None:
+        self.told.append(([s.key for s in spans], list(bad)))
 
     def hashed_spans(self, hashes: list, offsets: list) -> list:
         return self.maker.keys_from_hashes(hashes, offsets)
@@ -457,6 +461,7 @@ def test_a_load_reads_its_disk_run_from_the_files(worker, sync, direct_from, tmp
     if not sync:
         assert wait_reported(w, "r") == {"r"}
     assert w.get_block_ids_with_load_errors() == {7, 8} and w.failed_tokens == CHUNK
+    assert w._kv.told == [([], [on_disk[-1]])]  # the gone file: the disk tier drops it
     store.close()
 
 
