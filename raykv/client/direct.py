@@ -35,6 +35,11 @@ from raykv.tiers.chunkfiles import check_owner, chunk_path, read_file
 logger = logging.getLogger(__name__)
 
 
+def _node_id() -> str:
+    """This process's Ray node."""
+    return ray.get_runtime_context().get_node_id()
+
+
 class DiskReader:
     """Reads chunk records from one disk tier directory on this node (see the module
     docstring). With `reuse`, each `read` fills its thread's buffers (the i-th chunk of a
@@ -68,7 +73,7 @@ class DiskReader:
             return None
         node, directory, tag = where
         why = None
-        if node != ray.get_runtime_context().get_node_id():
+        if node != _node_id():
             why = "the disk tier is on another node"
         elif tag != (secret_tag(secret) if secret else ""):
             why = "its records are keyed with another payload_secret than this process's"

@@ -97,15 +97,10 @@ class FakeKV:
         return self.where
 
 
-class FakeContext:
-    def get_node_id(self) -> str:
-        return "node-a"
-
-
 def test_a_reader_is_made_only_where_the_files_can_be_read_as_the_tier_wrote_them(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(direct.ray, "get_runtime_context", FakeContext)
+    monkeypatch.setattr(direct, "_node_id", lambda: "node-a")
     store, _, _ = written(tmp_path, 1, secret=SECRET)
     here = ("node-a", store.directory, secret_tag(SECRET))
     assert DiskReader.local(FakeKV(here), SECRET).directory == store.directory
