@@ -326,7 +326,8 @@ class TierSet:
     def read_directly(self, keys: list[CacheKey]) -> None:
         """A lookup's caller reads these disk chunks from the files itself
         (`raykv.client.direct`): promote them into CPU behind its back, as a disk hit
-        is (the read touches them on disk), or without a CPU tier just touch them."""
+        is (the read touches them on disk; a flush waits for it, like a background
+        write), or without a CPU tier just touch them."""
         try:
             if self.cpu is not None:
                 self.spawn(self.pull(TIER_DISK, keys, None), name="raykv-put-promoted-read")
