@@ -45,6 +45,7 @@ throughput >= 2 GB/s from CPU; read + load >= 1 GB/s from disk files in the page
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -568,10 +569,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                     round(ratio, 2),
                     ratio <= 1.25,
                 )
-        for arm, source, mode in ARMS:  # each path against its variant arm: its baseline
+        for source, mode in itertools.product(("cpu", "disk", "redis"), ("async", "sync")):
+            arm = f"{source}-{mode}{v}"  # each path against its variant arm: its baseline
             for variant, (_, baseline) in VARIANTS.items():
-                d, p = per.get(f"{source}-{mode}{v}"), per.get(f"{source}-{mode}{variant}{v}")
-                if arm != f"{source}-{mode}{v}" or not (d and p):
+                d, p = per.get(arm), per.get(f"{source}-{mode}{variant}{v}")
+                if not (d and p):
                     continue
                 ms_row(f"{args.length}: TTFT, {arm}", d["ttft"], baseline, med(p["ttft"]) * 1e3)
                 key = "read_gbs" if source == "disk" else "gbs"
