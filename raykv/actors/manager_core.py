@@ -33,7 +33,7 @@ from ray.exceptions import ActorDiedError
 from raykv import metrics
 from raykv.actors.base import STORAGE_MANAGER_NAME, actor_name
 from raykv.actors.common import put_own, supervised
-from raykv.actors.peers import ControllerLink
+from raykv.actors.peers import ControllerLink, PeerReply, add_gathered, plan_reply
 from raykv.actors.tierset import TierSet
 from raykv.config import RayKVConfig
 from raykv.errors import InvalidInputError
@@ -196,11 +196,12 @@ class ManagerCore:
         peer = self._peer_tier_on() and tiers is self._index.order
         return LookupPlan.start(self._index, keys, ends, tiers, peer=peer, remote=remote)
 
-    async def _drive(self, plan: LookupPlan) -> LookupPlan:
-        """The manager loop's driver: every step the plan needs, awaited."""
+    async def _drive(self, plan: LookupPlan, pull: bool = False) -> LookupPlan:
+        """The manager loop's driver: every step the plan needs, awaited. `pull`: the
+        plan's segments are pulled next (a peer may then be asked ahead)."""
         while (need := plan.need()) is not Need.NOTHING:
             if need is Need.PEER:
-                plan.give_peer(await self._link.locate(plan.missing))
+                plan.give_peer(await self._t.locate_peer(plan.missing, ahead=pull))
             else:
                 found, failed = await self._t.probe_remote(plan.missing)
                 self._give_remote(plan, found, failed)
@@ -428,7 +429,7 @@ class ManagerCore:
         direct: bool = False,
     ) -> int:
         t0 = time.perf_counter()
-        plan = await self._drive(self._plan_keys(keys, ends, tiers))
+        plan = await self._drive(self._plan_keys(keys, ends, tiers), pull=True)
         if tails is not None:
             plan = plan.with_tail(self._index, tails, tiers)
             rec.ends = plan.ends
@@ -603,7 +604,7 @@ class ManagerCore:
         segs, pos = self._index.local_lower_plan(keys, start)
         n = len(keys)
         if pos < n and self._peer_tier_on():
-            peer = await self._link.locate(keys[pos:])
+            peer = await self._t.locate_peer(keys[pos:], ahead=True)
             if peer is not None:
                 segs.append((peer[0], pos, pos + peer[1]))
                 pos += peer[1]
@@ -633,45 +634,31 @@ class ManagerCore:
     def _peer_tier_on(self) -> bool:
         return self._link is not None and self._t.cpu is not None
 
-    async def peer_read(
-        self, keys: list[CacheKey]
-    ) -> tuple[list[PayloadMeta | None], list[ray.ObjectRef], list[tuple[int, int] | None]]:
-        """The peer tier's read, for another node's manager (`raykv.actors.peers.read_peer`):
-        `(metas, objects, places)`; chunk i is `objects[o][j]` for
-        `places[i] == (o, j)`, and None where this node's CPU tier does not hold it.
+    def try_peer_read(self, keys: list[CacheKey]) -> PeerReply | None:
+        """`peer_read` on the calling Ray thread, or None if it needs the loop (start-up,
+        or chunks to gather into a new object)."""
+        if not self.started:
+            return None
+        reply, rest = plan_reply([self._index.cpu.get(k) for k in keys])
+        return None if rest else reply
 
-        A batch object of the CPU tier goes as it is (a ref: nothing is copied here, the
-        reader fetches it once) when the chunks wanted from it are at least half its
-        bytes; the chunks of other batches are gathered into one new object, so a reader
-        never fetches much more than it asked for. The reader's CPU store copies what it
-        keeps into its own object store either way (it cannot own another node's objects)."""
+    async def peer_read(self, keys: list[CacheKey]) -> PeerReply:
+        """The peer tier's read, for another node's manager (`raykv.actors.peers`):
+        `(metas, objects, places)` for `keys` from this node's CPU tier (`plan_reply`:
+        whole batch objects as they are, other chunks gathered into one new object). The
+        reader's CPU store copies what it keeps into its own object store (it cannot own
+        another node's objects)."""
         await self._ready()
         chunks = [self._index.cpu.get(k) for k in keys]
-        wanted: dict[ray.ObjectRef, int] = {}
-        size: dict[ray.ObjectRef, int] = {}
-        for c in chunks:
-            if c is not None:
-                wanted[c.ref] = wanted.get(c.ref, 0) + c.meta.nbytes
-                size[c.ref] = c.batch_nbytes
-        whole = {r: i for i, r in enumerate(r for r in wanted if 2 * wanted[r] >= size[r] > 0)}
-        objects = list(whole)
-        places: list[tuple[int, int] | None] = [
-            (whole[c.ref], c.index) if c is not None and c.ref in whole else None for c in chunks
-        ]
-        rest = [i for i, c in enumerate(chunks) if c is not None and c.ref not in whole]
+        reply, rest = plan_reply(chunks)
         if rest:
             try:
                 gathered = await self._gather([chunks[i] for i in rest])  # type: ignore[misc]
             except Exception as exc:  # our CPU store restarted: those are misses
                 logger.warning("peer read of %d chunks failed: %s", len(rest), exc)
-                for i in rest:
-                    chunks[i] = None
-            else:
-                objects.append(gathered)
-                for j, i in enumerate(rest):
-                    places[i] = (len(objects) - 1, j)
-        metas = [c.meta if c is not None else None for c in chunks]
-        return metas, objects, places
+                gathered = None
+            add_gathered(reply, rest, gathered)
+        return reply
 
     @staticmethod
     async def _gather(chunks: list[ChunkRef]) -> ray.ObjectRef:

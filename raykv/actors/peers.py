@@ -5,7 +5,10 @@ CPU and disk tiers (batched admit/evict events, a snapshot when a batch was lost
 controller restarted), and asks the controller which peer's CPU tier holds a prefix its
 own tiers miss; the peer then serves it through its manager's `peer_read` (its batch
 objects as they are): this node's manager fetches each object once (`read_peer`), serves
-the request from them, and has its CPU store copy what it keeps afterwards.
+the request from them, and has its CPU store copy what it keeps afterwards. While it
+asks the controller, it already asks the peer the last answer named (a hint, as a
+client of a sharded store remembers the last owner): when the controller names the
+same peer, its answer is in by then, so a peer hit costs one round trip less.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class ControllerLink:
         self._breaker = Breaker(f"the raykv controller in {namespace!r}")
         self._reconnect_s = RECONNECT_MIN_SECS
         self._packed = True  # snapshots as PackedKeys (False: a controller of an older raykv)
+        self._last: str | None = None  # the peer the last locate named
 
     async def locate(self, keys: list[CacheKey]) -> tuple[PeerTier, int] | None:
         """(the peer, chunks) of the peer holding the longest prefix of `keys` in
@@ -108,7 +112,20 @@ class ControllerLink:
                 return None
         self._instances[name] = instance
         self._used[name] = now
+        self._last = name
         return PeerTier(name), n
+
+    def hint(self) -> str | None:
+        """The peer the last locate named, while we hold its handle: the next lookup asks
+        it for the chunks while it asks the controller (`TierSet.locate_peer`)."""
+        name = self._last
+        return name if name in self.peers else None
+
+    def unhint(self, name: str) -> None:
+        """`name` held none of a lookup that no peer could serve: stop asking it ahead
+        (until a locate names a peer again), so that misses cost one call, not two."""
+        if self._last == name:
+            self._last = None
 
     def _prune(self, now: float) -> None:
         for name, used in list(self._used.items()):
@@ -119,6 +136,8 @@ class ControllerLink:
         """Forget our handle of the peer `name`; its instance, if we knew it."""
         self.peers.pop(name, None)
         self._used.pop(name, None)
+        if self._last == name:
+            self._last = None
         return self._instances.pop(name, None)
 
     def _peer_handle(self, name: str) -> Any:
@@ -205,16 +224,92 @@ class ControllerLink:
             logger.debug("the raykv controller cannot be created yet: %r", err)
 
 
-async def read_peer(peer: Any, keys: list[CacheKey]) -> tuple[CPUAck, list[PayloadMeta]]:
-    """A peer manager's `peer_read` of `keys`, fetched to this node: an ack serving each
-    chunk from the peer's object (`refs`; the others `missing`), and the metas of the
-    served ones in order. Each object is fetched once, concurrently; the chunks of one
-    that cannot be read, or whose array is not its meta's size, are misses; a malformed
+# `peer_read`'s answer: (metas, objects, places); chunk i is `objects[o][j]` for
+# `places[i] == (o, j)`, and its meta None where the peer does not hold it.
+PeerReply = tuple[list[PayloadMeta | None], list[ray.ObjectRef], list[tuple[int, int] | None]]
+
+
+def plan_reply(chunks: list[ChunkRef | None]) -> tuple[PeerReply, list[int]]:
+    """A peer's answer from the CPU tier's `chunks` (None: not held), and the positions
+    of the chunks still to gather into one new object (`add_gathered`).
+
+    A batch object goes as it is (a ref: nothing is copied, the reader fetches it once)
+    when the chunks wanted from it are at least half its bytes; the chunks of other
+    batches are gathered, so a reader never fetches much more than it asked for."""
+    wanted: dict[ray.ObjectRef, int] = {}
+    size: dict[ray.ObjectRef, int] = {}
+    for c in chunks:
+        if c is not None:
+            wanted[c.ref] = wanted.get(c.ref, 0) + c.meta.nbytes
+            size[c.ref] = c.batch_nbytes
+    whole = {r: i for i, r in enumerate(r for r in wanted if 2 * wanted[r] >= size[r] > 0)}
+    places: list[tuple[int, int] | None] = [
+        (whole[c.ref], c.index) if c is not None and c.ref in whole else None for c in chunks
+    ]
+    rest = [i for i, c in enumerate(chunks) if c is not None and c.ref not in whole]
+    metas = [c.meta if c is not None else None for c in chunks]
+    return (metas, list(whole), places), rest
+
+
+def add_gathered(reply: PeerReply, rest: list[int], gathered: ray.ObjectRef | None) -> None:
+    """Place the chunks at `rest` in `gathered` (one object, in order), or drop them
+    (None: they could not be gathered)."""
+    metas, objects, places = reply
+    if gathered is None:
+        for i in rest:
+            metas[i] = None
+        return
+    objects.append(gathered)
+    for j, i in enumerate(rest):
+        places[i] = (len(objects) - 1, j)
+
+
+async def ask_peer(peer: Any, keys: list[CacheKey]) -> PeerReply:
+    """A peer manager's `peer_read` of `keys` (its objects not fetched yet); a malformed
     reply raises."""
     metas, objects, places = await peer.peer_read.remote(keys)
     if not len(metas) == len(places) == len(keys):
         got = f"{len(metas)} metas, {len(places)} places"
         raise ValueError(f"the peer sent {got} for {len(keys)} keys")
+    return metas, objects, places
+
+
+def held(reply: PeerReply) -> int:
+    """How many leading keys a peer's answer lists."""
+    metas, _objects, places = reply
+    n = 0
+    for meta, place in zip(metas, places, strict=True):
+        if meta is None or place is None:
+            break
+        n += 1
+    return n
+
+
+def trim(reply: PeerReply, n: int) -> PeerReply:
+    """A peer's answer for its first `n` keys alone, with only the objects they name."""
+    metas, objects, places = reply
+    keep: dict[int, int] = {}
+    out: list[tuple[int, int] | None] = []
+    for place in places[:n]:
+        if place is None or not 0 <= place[0] < len(objects):
+            out.append(None)
+            continue
+        o = keep.setdefault(place[0], len(keep))
+        out.append((o, place[1]))
+    return metas[:n], [objects[o] for o in keep], out
+
+
+async def read_peer(peer: Any, keys: list[CacheKey]) -> tuple[CPUAck, list[PayloadMeta]]:
+    """A peer manager's `peer_read` of `keys`, fetched to this node (`fetch_reply`)."""
+    return await fetch_reply(await ask_peer(peer, keys), keys)
+
+
+async def fetch_reply(reply: PeerReply, keys: list[CacheKey]) -> tuple[CPUAck, list[PayloadMeta]]:
+    """A peer's answer for `keys`, fetched to this node: an ack serving each chunk from
+    the peer's object (`refs`; the others `missing`), and the metas of the served ones
+    in order. Each object is fetched once, concurrently; the chunks of one that cannot
+    be read, or whose array is not its meta's size, are misses."""
+    metas, objects, places = reply
     values = await asyncio.gather(*objects, return_exceptions=True) if objects else []
     failed = {i for i, v in enumerate(values) if isinstance(v, BaseException)}
     if failed:
@@ -250,4 +345,14 @@ def _pick(values: list[Any], place: tuple[int, int] | None) -> Any:
         return None
 
 
-__all__ = ["ControllerLink", "read_peer"]
+__all__ = [
+    "ControllerLink",
+    "PeerReply",
+    "add_gathered",
+    "ask_peer",
+    "fetch_reply",
+    "held",
+    "plan_reply",
+    "read_peer",
+    "trim",
+]

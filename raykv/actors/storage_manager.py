@@ -22,7 +22,7 @@ from raykv.actors.common import named_actor
 from raykv.actors.factory import actor_options
 from raykv.actors.manager_core import ManagerCore, RemoteProbe
 from raykv.config import RayKVConfig
-from raykv.keys import ChunkSpan, KeyIdentity
+from raykv.keys import CacheKey, ChunkSpan, KeyIdentity
 from raykv.tiers.cpulog import Cursor
 from raykv.wire import PackedSpans
 
@@ -170,6 +170,13 @@ class StorageManager:
                 return reply
         return self._run(self._core.get(spans, lookup_id, check_cpu, ids))
 
+    def peer_read(self, keys: list[CacheKey]) -> tuple:
+        """See `ManagerCore.peer_read` (on this Ray thread unless chunks need gathering:
+        a peer's read then costs one loop hop less)."""
+        with self._lock:
+            reply = self._core.try_peer_read(keys)
+        return reply if reply is not None else self._run(self._core.peer_read(keys))
+
     def get_held(self, spans: Sequence[ChunkSpan] | PackedSpans) -> tuple:
         """`get(spans, ids=True)` in one argument (Ray serializes each argument on its
         own): what a client with a read cache sends when it holds the batches."""
@@ -181,7 +188,6 @@ class StorageManager:
     wait = _on_loop("wait")
     fetch = _on_loop("fetch")
     note_engine = _on_loop("note_engine")
-    peer_read = _on_loop("peer_read")
     unpin = _on_loop("unpin")
     remove = _on_loop("remove")
     flush = _on_loop("flush")

@@ -20,7 +20,15 @@ from raykv import metrics
 from raykv.actors.common import HandoutHold
 from raykv.actors.factory import create_tier, get_or_create_tiers
 from raykv.actors.kv_server import open_remote
-from raykv.actors.peers import ControllerLink, read_peer
+from raykv.actors.peers import (
+    ControllerLink,
+    PeerReply,
+    ask_peer,
+    fetch_reply,
+    held,
+    read_peer,
+    trim,
+)
 from raykv.config import RayKVConfig
 from raykv.keys import CacheKey
 from raykv.payload import PayloadMeta
@@ -53,6 +61,9 @@ PULL_TIMEOUT_FACTOR = 2.0
 # the store as much CPU as the `get` itself. Any other call on the CPU handle flushes
 # them first, so the store still sees them in request order.
 RELEASE_BATCH_SECS = 0.02
+# A peer's answer asked ahead of the controller's (`locate_peer`) is dropped after this
+# long if no pull took it (its refs keep the peer's objects alive meanwhile).
+ASKED_KEEP_SECS = 2.0
 
 
 class TierSet:
@@ -90,6 +101,9 @@ class TierSet:
         self._loop = asyncio.get_running_loop()  # built on the manager's loop
         self._probe: RemoteStore | None = None  # the remote server, asked by lookups directly
         self._probe_opening: asyncio.Task | None = None  # `open_remote` running off the loop
+        # Peers' answers asked ahead of the controller's (`locate_peer`), until their pull:
+        # (peer, first key) -> (when, the keys asked, the answer).
+        self._asked: dict[tuple[str, CacheKey], tuple[float, list[CacheKey], PeerReply]] = {}
 
     @property
     def peers(self) -> dict[str, Any]:
@@ -336,19 +350,71 @@ class TierSet:
         except RayActorError as exc:  # a tier restarting: recency is best effort
             logger.debug("touching %d disk chunks failed: %r", len(keys), exc)
 
-    async def pull_peer(self, name: str, keys: list[CacheKey]) -> CPUAck | None:
-        """Read `keys` from the peer manager `name` (`read_peer`: its objects come to
-        this node, read by this manager) and serve them from the peer's objects at once;
-        the CPU store copies the chunks into objects of its own afterwards (`adopt`, whose
-        ack enters the index; a flush waits for it, like a background write). A read that
-        failed or timed out misses every key; a peer that served nothing of what the
-        controller listed: a dead peer is forgotten (`ControllerLink.lost`), the chunks a
-        live one no longer holds are unlisted (`ControllerLink.stale`)."""
-        peer = self.peers.get(name)
-        if peer is None:
+    async def locate_peer(
+        self, keys: list[CacheKey], ahead: bool = False
+    ) -> tuple[PeerTier, int] | None:
+        """The peer whose CPU tier holds the longest prefix of `keys`, and its length in
+        chunks (`ControllerLink.locate`). With `ahead` (a lookup that pulls what it
+        finds), the peer the last locate named is asked for `keys` (`peer_read`) at the
+        same time: if the controller names that peer too, or none while that peer holds
+        some (its report not in yet), its answer is kept for the pull (`pull_peer`),
+        which then skips its own call."""
+        link = self.link
+        if link is None:
             return None
+        hint = link.hint() if ahead else None
+        if hint is None:
+            return await link.locate(keys)
+        ahead = asyncio.ensure_future(ask_peer(self.peers[hint], keys))
+        found = await link.locate(keys)
+        if found is not None and found[0].manager != hint:
+            ahead.add_done_callback(_unused)
+            self.index.counts["peer_asks_unused"] += 1
+            return found
         try:
-            ack, metas = await asyncio.wait_for(read_peer(peer, keys), self._pull_timeout)
+            reply = await asyncio.wait_for(ahead, self._pull_timeout)
+        except Exception as exc:  # a dead or slow peer: the controller's answer stands
+            logger.debug("asking peer %s ahead failed: %r", hint, exc)
+            self.index.counts["peer_asks_unused"] += 1
+            return found
+        n = max(found[1] if found is not None else 0, held(reply))
+        if n == 0:
+            link.unhint(hint)
+            self.index.counts["peer_asks_unused"] += 1
+            return None
+        self._prune_asked()
+        self._asked[(hint, keys[0])] = (time.monotonic(), keys, reply)
+        return PeerTier(hint), n
+
+    def _prune_asked(self) -> None:
+        """Drop answers asked ahead that no pull took (their refs keep the peer's objects
+        alive): a pull follows its locate within milliseconds."""
+        now = time.monotonic()
+        for key, (when, _keys, _reply) in list(self._asked.items()):
+            if now - when > ASKED_KEEP_SECS:
+                del self._asked[key]
+
+    async def pull_peer(self, name: str, keys: list[CacheKey]) -> CPUAck | None:
+        """Read `keys` from the peer manager `name` (`read_peer`, or the answer asked
+        ahead by `locate_peer`: its objects come to this node, read by this manager) and
+        serve them from the peer's objects at once; the CPU store copies the chunks into
+        objects of its own afterwards (`adopt`, whose ack enters the index; a flush waits
+        for it, like a background write). A read that failed or timed out misses every
+        key; a peer that served nothing of what the controller listed: a dead peer is
+        forgotten (`ControllerLink.lost`), the chunks a live one no longer holds are
+        unlisted (`ControllerLink.stale`)."""
+        self._prune_asked()
+        peer = self.peers.get(name)
+        if peer is None or not keys:
+            return None
+        asked = self._asked.pop((name, keys[0]), None)
+        if asked is not None and asked[1][: len(keys)] == keys:
+            self.index.counts["peer_asks_used"] += 1
+            read = fetch_reply(trim(asked[2], len(keys)), keys)
+        else:
+            read = read_peer(peer, keys)
+        try:
+            ack, metas = await asyncio.wait_for(read, self._pull_timeout)
         except Exception as exc:
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
                 self.index.counts["pull_timeouts"] += 1
@@ -480,6 +546,12 @@ class TierSet:
                 "peers": sorted(self.peers),
             }
         return {**index.stats(), "tiers": tiers}
+
+
+def _unused(future: asyncio.Future) -> None:
+    """Collect an answer asked ahead that the lookup did not use (its error, if any)."""
+    if not future.cancelled():
+        future.exception()
 
 
 __all__ = ["TierSet"]

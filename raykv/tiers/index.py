@@ -143,6 +143,8 @@ class PrefixIndex:
                 "late_acks",
                 "stale_acks",
                 "recreated_tiers",
+                "peer_asks_used",
+                "peer_asks_unused",
             ),
             0,
         )

@@ -105,6 +105,18 @@ def test_prefix_stored_on_node_a_is_a_hit_on_node_b_via_the_peer_tier(cluster):
         assert len(nodes) == len(refs) and all(cluster.b in n and cluster.a not in n for n in nodes)
         stats = b.stats()["tiers"]["peer"]
         assert stats["lookup_hit_chunks"] >= TOKENS // CHUNK
+        # The next prefix A stores: B asks A (the peer the last locate named) while it
+        # asks the controller, and serves that answer; whether the controller has A's
+        # report yet or not (not waited for here), B hits it.
+        asked = b.stats()["peer_asks_used"]  # the retrieve above, after the lookup's locate
+        tokens, kv = _prompt(3, hidden=512)
+        assert a.store(tokens, kv) == TOKENS
+        assert a.flush(30)
+        out = torch.zeros_like(kv)
+        hit, tiers = b.retrieve(tokens, out, return_tiers=True)
+        assert hit.all() and tiers == {"peer": TOKENS}
+        torch.testing.assert_close(out, kv)
+        assert b.stats()["peer_asks_used"] == asked + 1
     finally:
         shutdown_namespace(cfg.namespace)
 
@@ -116,6 +128,7 @@ def test_a_peer_read_of_part_of_a_batch_moves_that_part(cluster):
     cfg = _config(enable_controller=True)
     try:
         a, b = _caches(cfg, cluster)
+        asked = b.stats()["peer_asks_used"]  # the retrieve above, after the lookup's locate
         tokens, kv = _prompt(3, hidden=512)
         assert a.store(tokens, kv) == TOKENS
         _wait_known(cfg, a, tokens, cluster.a)

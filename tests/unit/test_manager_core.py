@@ -383,10 +383,10 @@ def test_a_peer_that_comes_back_short_has_only_its_gap_read_from_the_remote(disk
     async def scenario() -> RetrieveResult:
         core = ManagerCore(disk_only)
 
-        async def locate(wanted: list) -> tuple[PeerTier, int]:
+        async def locate(wanted: list, ahead: bool = False) -> tuple[PeerTier, int]:
             return PeerTier("mgr-b"), 2
 
-        core._link = type("Link", (), {"locate": staticmethod(locate)})()
+        core._t.locate_peer = locate
         core._peer_tier_on = lambda: True
         core._index.up = lambda tier: tier == TIER_REMOTE
         core._t.pull = pull
