@@ -102,6 +102,20 @@ def worker_connector() -> Any:
     return get_kv_transfer_group()
 
 
+def worker_counters(_worker: Any = None) -> dict[str, Any]:
+    """This worker process's raykv connector counters (run on every rank by
+    `LLM.collective_rpc`): the bytes it read from the disk tier's files itself (None:
+    it reads none, `disk_direct_reads`), the tokens it loaded and the tokens whose load
+    failed (recomputed)."""
+    connector = worker_connector()
+    disk = connector._disk
+    return {
+        "disk_read_bytes": disk.read_bytes if disk is not None else None,
+        "loaded_tokens": connector.loaded_tokens,
+        "failed_tokens": connector.failed_tokens,
+    }
+
+
 def kv_events_config(port: int) -> Any:
     """vLLM's KV events published over ZMQ to 127.0.0.1:`port` (vLLM connects to an
     address that is not a wildcard: the `EventSink` binds it)."""
@@ -239,6 +253,7 @@ def main() -> None:
             }
             fillers = connector.fillers
             outs[-1]["scheduler"]["filled"] = {"here": fillers.here, "elsewhere": fillers.elsewhere}
+            outs[-1]["workers"] = llm.collective_rpc(worker_counters)
     if kv is not None:
         llm.llm_engine.engine_core.engine_core.scheduler.connector._kv.flush()
     print("RESULT " + json.dumps(outs), flush=True)

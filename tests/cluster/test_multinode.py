@@ -128,7 +128,6 @@ def test_a_peer_read_of_part_of_a_batch_moves_that_part(cluster):
     cfg = _config(enable_controller=True)
     try:
         a, b = _caches(cfg, cluster)
-        asked = b.stats()["peer_asks_used"]  # the retrieve above, after the lookup's locate
         tokens, kv = _prompt(3, hidden=512)
         assert a.store(tokens, kv) == TOKENS
         _wait_known(cfg, a, tokens, cluster.a)

@@ -4,7 +4,8 @@ thread on a core of its own), each engine in a process of its own attached to th
 session's Ray. Every rank stores and loads its own chunks (keys carry the rank); the
 scheduler looks up every rank's keys, so a chunk one rank lost is not a hit, and a
 chat's next turn finds its history's partial last chunk (`save_unfull_chunk`) through
-the manager, every rank's key of it.
+the manager, every rank's key of it. A hit only on the disk tier is read from the chunk
+files by each rank's worker itself (`disk_direct_reads`), its own rank's files.
 
 Three engine starts (~40 s each): plain vLLM for the reference, then two raykv engines
 in turn, with async loads (`sync_load_max_bytes: 0`).
@@ -71,14 +72,21 @@ def chunk_hash(tokens: list[int], index: int) -> str:
     return KeyMaker(chunk_size=vt.CHUNK).hashes_from_hashes(hashes)[index]
 
 
-def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hit(model):
+def hashes(tokens: list[int], chunks: int) -> set[str]:
+    """The chunk hashes of `tokens`' first `chunks` chunks."""
+    return {chunk_hash(tokens, i) for i in range(chunks)}
+
+
+def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hit(model, tmp_path):
     reference = dict(zip("abn", vt.run_engine_process(model, [A, B, NEXT], tp=TP), strict=True))
     ns = f"t-vllm-tp-{uuid.uuid4().hex[:8]}"
     address = ray.get_runtime_context().gcs_address
-    with raykv.connect(namespace=ns) as kv:
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.25}
+    with raykv.connect(namespace=ns, **disk) as kv:
 
         def engine(prompts: list[list[int]]) -> list[dict]:
-            return vt.run_engine_process(model, prompts, address, ns, tp=TP, extra=EXTRA)
+            extra = {**EXTRA, **disk}
+            return vt.run_engine_process(model, prompts, address, ns, tp=TP, extra=extra)
 
         # 1: stores A, B and TURN (3 chunks and its partial last one), from both ranks.
         first = engine([A, B, TURN])
@@ -93,11 +101,16 @@ def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hi
         lost = {k for k in held[1] if k.chunk_hash == third}
         assert len(lost) == 1 and any(k.chunk_hash == third for k in held[0])
         ray.get(kv._manager.remove.remote(list(lost)))
+        # A's chunks leave the CPU tier on both ranks; they stay on the disk tier.
+        assert kv.flush(60)
+        on_disk = [k for r in range(TP) for k in held[r] if k.chunk_hash in hashes(A, 4)]
+        assert ray.get(kv._manager.remove.remote(on_disk, ["cpu"])) == 4 * TP
 
-        # 3: another TP=2 engine loads A whole (async, per rank); B only up to the chunk
-        # rank 1 lost (nothing is loaded that one rank cannot fill), then computes and
-        # stores that chunk again; and NEXT, a chat's next turn, its history to the
-        # block: the manager found every rank's key of TURN's partial last chunk.
+        # 3: another TP=2 engine loads A whole (async, per rank: each rank reads its own
+        # chunk files, `disk_direct_reads`); B only up to the chunk rank 1 lost (nothing
+        # is loaded that one rank cannot fill), then computes and stores that chunk
+        # again; and NEXT, a chat's next turn, its history to the block: the manager
+        # found every rank's key of TURN's partial last chunk.
         second = engine([WARM, A, B, NEXT])[1:]
         assert [o["cached"] for o in second] == [
             4 * vt.CHUNK,
@@ -108,6 +121,11 @@ def test_tp2_engines_share_the_cache_per_rank_and_a_chunk_one_rank_lost_is_no_hi
         vt.assert_same_output(second[1], reference["b"])
         vt.assert_same_output(second[2], reference["n"])
         assert second[-1]["scheduler"]["async_loads"] == 3
+        # Each rank read A's 4 chunks of its own from the files (the same bytes on both),
+        # and no load failed (nothing recomputed).
+        workers = second[-1]["workers"]
+        assert len(workers) == TP and all(c["failed_tokens"] == 0 for c in workers)
+        assert workers[0]["disk_read_bytes"] == workers[1]["disk_read_bytes"] > 0
         # Stored by it: rank 1's lost chunk again, and NEXT's fourth chunk on each rank.
         assert rank_keys(kv, 1) >= lost
         for rank in range(TP):

@@ -184,6 +184,22 @@ def test_with_several_ranks_a_partial_chunk_needs_every_ranks_key() -> None:
     assert got.hit_tokens == 320
 
 
+def test_with_several_ranks_a_disk_run_is_read_directly_only_from_a_chunk_start() -> None:
+    """A client reads each rank's files itself only where every rank's key of a chunk is
+    on disk: a chunk one rank holds in CPU and another only on disk is promoted."""
+    r0, r1 = ([make_key("m", 2, r, f"{i:032x}", "float16") for i in range(4)] for r in (0, 1))
+    keys = [r0[0], r1[0], r0[1], r1[1], r0[2], r1[2]]  # three chunks, two ranks each
+    ends = [0, 256, 256, 512, 512, 768]
+    aligned = index(cpu=keys[:2], disk=keys[2:])
+    plan = LookupPlan.start(aligned, keys, ends, TIERS, remote=False)
+    assert plan.direct_disk() == (TIER_DISK, 2, 6) and plan.hit_tokens == 768
+    only_disk = LookupPlan.start(index(disk=keys), keys, ends, TIERS, remote=False)
+    assert only_disk.direct_disk() == (TIER_DISK, 0, 6)
+    mixed = index(cpu=keys[:3], disk=keys[3:])  # chunk 1: rank 0 in CPU, rank 1 on disk
+    plan = LookupPlan.start(mixed, keys, ends, TIERS, remote=False)
+    assert plan.hit_tokens == 768 and plan.direct_disk() is None
+
+
 def test_candidates_travel_as_a_plain_tuple_and_malformed_ones_are_refused() -> None:
     assert TailCandidates.from_wire(TAILS.wire()) == TAILS
     good = TAILS.wire()
