@@ -115,6 +115,11 @@ class ControllerLink:
         self._last = name
         return PeerTier(name), n
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a locate may take (then it is a miss)."""
+        return self._timeout
+
     def hint(self) -> str | None:
         """The peer the last locate named, while we hold its handle: the next lookup asks
         it for the chunks while it asks the controller (`TierSet.locate_peer`)."""
@@ -122,8 +127,9 @@ class ControllerLink:
         return name if name in self.peers else None
 
     def unhint(self, name: str) -> None:
-        """`name` held none of a lookup that no peer could serve: stop asking it ahead
-        (until a locate names a peer again), so that misses cost one call, not two."""
+        """`name` held none of a lookup that no peer could serve, or failed to answer:
+        stop asking it ahead (until a locate names a peer again), so that misses cost
+        one call, not two."""
         if self._last == name:
             self._last = None
 
@@ -291,11 +297,15 @@ def trim(reply: PeerReply, n: int) -> PeerReply:
     keep: dict[int, int] = {}
     out: list[tuple[int, int] | None] = []
     for place in places[:n]:
-        if place is None or not 0 <= place[0] < len(objects):
+        try:
+            o, j = place  # type: ignore[misc]
+            ok = 0 <= o < len(objects)
+        except (TypeError, ValueError):  # None, or a malformed place: that chunk a miss
+            ok = False
+        if not ok:
             out.append(None)
             continue
-        o = keep.setdefault(place[0], len(keep))
-        out.append((o, place[1]))
+        out.append((keep.setdefault(o, len(keep)), j))
     return metas[:n], [objects[o] for o in keep], out
 
 

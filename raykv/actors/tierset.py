@@ -358,25 +358,39 @@ class TierSet:
         finds), the peer the last locate named is asked for `keys` (`peer_read`) at the
         same time: if the controller names that peer too, or none while that peer holds
         some (its report not in yet), its answer is kept for the pull (`pull_peer`),
-        which then skips its own call."""
+        which then skips its own call. A hinted peer that fails or does not answer in
+        time makes this lookup a miss (a pull that failed would be one too) and loses
+        its hint; one that holds none of a lookup no peer could serve loses it too."""
         link = self.link
         if link is None:
             return None
         hint = link.hint() if ahead else None
         if hint is None:
             return await link.locate(keys)
-        ahead = asyncio.ensure_future(ask_peer(self.peers[hint], keys))
-        found = await link.locate(keys)
-        if found is not None and found[0].manager != hint:
-            ahead.add_done_callback(_unused)
-            self.index.counts["peer_asks_unused"] += 1
-            return found
+        asking = asyncio.ensure_future(ask_peer(self.peers[hint], keys))
         try:
-            reply = await asyncio.wait_for(ahead, self._pull_timeout)
-        except Exception as exc:  # a dead or slow peer: the controller's answer stands
-            logger.debug("asking peer %s ahead failed: %r", hint, exc)
+            found = await link.locate(keys)
+        except BaseException:  # cancelled: so is the question
+            asking.cancel()
+            raise
+        if found is not None and found[0].manager != hint:
+            asking.add_done_callback(_unused)
             self.index.counts["peer_asks_unused"] += 1
             return found
+        # Named by the controller: the pull's own time; else only a guess: a locate's.
+        wait = self._pull_timeout if found is not None else link.timeout
+        try:
+            reply = await asyncio.wait_for(asking, wait)
+        except Exception as exc:
+            self.index.counts["peer_asks_unused"] += 1
+            link.unhint(hint)
+            if isinstance(exc, RayActorError):
+                link.lost(hint)
+            elif found is not None and isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+                self.index.counts["pull_timeouts"] += 1
+            if found is not None:
+                logger.warning("peer %s did not answer a read: %r; a miss", hint, exc)
+            return None
         n = max(found[1] if found is not None else 0, held(reply))
         if n == 0:
             link.unhint(hint)
@@ -384,6 +398,8 @@ class TierSet:
             return None
         self._prune_asked()
         self._asked[(hint, keys[0])] = (time.monotonic(), keys, reply)
+        # An idle manager too drops it in time.
+        asyncio.get_running_loop().call_later(ASKED_KEEP_SECS + 0.1, self._prune_asked)
         return PeerTier(hint), n
 
     def _prune_asked(self) -> None:
@@ -403,17 +419,13 @@ class TierSet:
         key; a peer that served nothing of what the controller listed: a dead peer is
         forgotten (`ControllerLink.lost`), the chunks a live one no longer holds are
         unlisted (`ControllerLink.stale`)."""
+        asked = self._asked.pop((name, keys[0]), None) if keys else None
         self._prune_asked()
         peer = self.peers.get(name)
         if peer is None or not keys:
             return None
-        asked = self._asked.pop((name, keys[0]), None)
-        if asked is not None and asked[1][: len(keys)] == keys:
-            self.index.counts["peer_asks_used"] += 1
-            read = fetch_reply(trim(asked[2], len(keys)), keys)
-        else:
-            read = read_peer(peer, keys)
         try:
+            read = self._read_peer(peer, keys, asked)
             ack, metas = await asyncio.wait_for(read, self._pull_timeout)
         except Exception as exc:
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -431,6 +443,16 @@ class TierSet:
             where = [(c.ref, c.index) for c in ack.refs.values()]
             self.spawn(self._adopt(cpu, served, metas, where), name="raykv-put-peer-copy")
         return ack
+
+    async def _read_peer(
+        self, peer: Any, keys: list[CacheKey], asked: tuple | None
+    ) -> tuple[CPUAck, list[PayloadMeta]]:
+        """`read_peer`, or the answer asked ahead for a list of keys that begins with
+        `keys` (`asked`: when, those keys, the answer)."""
+        if asked is not None and asked[1][: len(keys)] == keys:
+            self.index.counts["peer_asks_used"] += 1
+            return await fetch_reply(trim(asked[2], len(keys)), keys)
+        return await read_peer(peer, keys)
 
     async def _adopt(self, cpu: Any, keys: list[CacheKey], metas: list, where: list) -> None:
         try:

@@ -402,3 +402,64 @@ def test_a_peer_that_comes_back_short_has_only_its_gap_read_from_the_remote(disk
     ]
     assert result.chunks == [f"chunk-{i}" for i in range(1, 5)]
     assert result.tiers == ["peer", "remote", "remote", "remote"]
+
+
+def test_only_a_lookup_that_pulls_asks_a_peer_ahead(disk_only: RayKVConfig):
+    """A count-only lookup never pulls, so it must not ask a peer ahead (the answer kept
+    for its pull would hold the peer's objects); a prefetch's and a get's lookups do."""
+    spans = KeyMaker.from_config(disk_only).keys(list(range(2 * C)))
+    asked: list[tuple[str, bool]] = []
+
+    async def scenario() -> None:
+        core = ManagerCore(disk_only)
+        core._peer_tier_on = lambda: True
+
+        def recorder(call: str) -> Any:
+            async def locate(keys: list, ahead: bool = False) -> None:
+                asked.append((call, ahead))
+
+            return locate
+
+        for call, go in (
+            ("lookup", lambda: core.lookup(spans)),
+            ("fetch", lambda: core.fetch("l1", spans)),
+            ("get", lambda: core.get(spans)),
+        ):
+            core._t.locate_peer = recorder(call)
+            await go()
+
+    run(scenario)
+    assert asked == [("lookup", False), ("fetch", True), ("get", True)]
+
+
+def test_a_peer_read_is_answered_on_the_calling_thread_unless_chunks_need_gathering(
+    disk_only: RayKVConfig,
+):
+    """Whole batch objects (the chunks wanted are at least half of each) go as they are,
+    from the Ray thread; a chunk that is a small part of its batch needs a new object,
+    which only the loop can make."""
+    from types import SimpleNamespace
+
+    from raykv_testing import byte_meta
+
+    from raykv.wire import ChunkRef
+
+    keys = [s.key for s in KeyMaker.from_config(disk_only).keys(list(range(3 * C)))]
+    meta = byte_meta(8)
+    whole, big = object(), object()
+    cpu = {
+        keys[0]: ChunkRef(whole, 0, meta, batch_nbytes=16),
+        keys[1]: ChunkRef(whole, 1, meta, batch_nbytes=16),
+        keys[2]: ChunkRef(big, 5, meta, batch_nbytes=80),
+    }
+
+    async def scenario() -> tuple:
+        core = ManagerCore(disk_only)
+        core._index = SimpleNamespace(cpu=cpu)
+        core._started = asyncio.get_running_loop().create_future()
+        core._started.set_result(None)
+        return core.try_peer_read(keys[:2]), core.try_peer_read(keys)
+
+    (metas, objects, places), gathered = run(scenario)
+    assert objects == [whole] and places == [(0, 0), (0, 1)] and metas == [meta, meta]
+    assert gathered is None

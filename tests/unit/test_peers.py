@@ -207,7 +207,7 @@ def test_a_controller_of_an_older_raykv_gets_plain_resyncs_and_no_drops(monkeypa
 
 class _Holder:
     """A peer manager whose `peer_read` serves the first `held` of the keys it is asked
-    for, each chunk from one object (a done future holding the arrays)."""
+    for, all from one object (a done future holding their arrays)."""
 
     def __init__(self, held: int, fail: BaseException | None = None) -> None:
         self.held = held
@@ -303,18 +303,116 @@ def test_an_answer_asked_ahead_of_another_peer_is_dropped_and_misses_stop_asking
     assert tiers.index.counts["peer_asks_unused"] == 2
 
 
-def test_a_peer_asked_ahead_that_fails_leaves_the_controllers_answer(monkeypatch):
-    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3), ("node-b", "mgr-b", 3)])
+def test_a_hinted_peer_that_fails_makes_a_miss_once_and_loses_its_hint(monkeypatch):
+    """The controller names the hinted peer, whose answer fails: a miss (as a pull that
+    failed is), not a second call with a second time-out; the hint is dropped."""
+    named = ("node-b", "mgr-b", 3)
+    link, holders = _located_link(monkeypatch, [named, named, named])
     tiers = tierset_with(link)
 
-    async def both() -> list:
-        first = await _lookup(tiers, KEYS)
+    async def lookups() -> tuple[Any, Any]:
+        await _lookup(tiers, KEYS)
         holders["mgr-b"].peer_read = _Holder(0, fail=ValueError("boom")).peer_read
-        return [first, await _lookup(tiers, KEYS)]
+        return await _lookup(tiers, KEYS), link.hint()
 
-    first, second = asyncio.run(both())
-    assert second[0][1] == 3 and second[1].missing == KEYS  # its pull failed too: misses
+    failed, hint = asyncio.run(lookups())
+    assert failed == (None, None) and hint is None
     assert tiers.index.counts["peer_asks_unused"] == 1
+    assert len(holders["mgr-b"].peer_read.calls) == 1  # asked ahead; no pull after it
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_hinted_peer_that_hangs_costs_one_lookup_a_bounded_wait(monkeypatch, named):
+    """A guess (the controller names no one) waits at most a locate's time for the
+    hinted peer, a named one the pull's own; either way the hint goes, and the next
+    lookup asks the controller alone."""
+    answer = ("node-b", "mgr-b", 3)
+    link, holders = _located_link(monkeypatch, [answer] + [answer if named else None] * 2)
+    tiers = tierset_with(link)
+    tiers._pull_timeout = 0.4
+
+    async def hang(keys):
+        await asyncio.sleep(10)
+
+    async def lookups() -> tuple[Any, float, Any, Any]:
+        await _lookup(tiers, KEYS)
+        holders["mgr-b"].peer_read = _Call(hang)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        slow = await _lookup(tiers, KEYS)
+        took, hint = loop.time() - t0, link.hint()
+        return slow, took, hint, await tiers.locate_peer(KEYS, ahead=True)
+
+    slow, took, hint, after = asyncio.run(lookups())
+    assert slow == (None, None) and hint is None
+    assert took < (0.6 if named else 0.35)  # 0.4 s (the pull's), 0.2 s (a locate's)
+    assert len(holders["mgr-b"].peer_read.calls) == 1  # the hang; nothing asked after it
+    assert (after is not None) == named
+
+
+def test_a_dead_hinted_peer_is_forgotten(monkeypatch):
+    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3), None])
+    tiers = tierset_with(link)
+
+    async def lookups() -> Any:
+        await _lookup(tiers, KEYS)
+        holders["mgr-b"].peer_read = _Holder(0, fail=ActorDiedError()).peer_read
+        return await _lookup(tiers, KEYS)
+
+    assert asyncio.run(lookups()) == (None, None)
+    assert "mgr-b" not in link.peers and link.hint() is None
+
+
+def test_the_answer_asked_ahead_and_the_controllers_question_go_out_together(monkeypatch):
+    """Each side answers only once the other has been asked: a lookup that asked one
+    after the other's answer would find no one here."""
+    asked, located = asyncio.Event(), asyncio.Event()
+
+    async def until(event: asyncio.Event) -> bool:
+        try:
+            await asyncio.wait_for(event.wait(), 0.1)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        return True
+
+    async def locate(keys, exclude):
+        located.set()
+        return ("node-b", "mgr-b", 3) if await until(asked) else None
+
+    link = link_to(FakeController(locate=locate), monkeypatch)
+    holder = _Holder(3)
+    plain = holder.peer_read.fn
+
+    async def peer_read(keys):
+        asked.set()
+        if not await until(located):
+            return [None] * len(keys), [], [None] * len(keys)
+        return plain(keys)
+
+    holder.peer_read = _Call(peer_read)
+    monkeypatch.setattr(link, "_peer_handle", lambda name: holder)
+    link.peers["mgr-b"], link._last = holder, "mgr-b"
+    found, ack = asyncio.run(_lookup(tierset_with(link), KEYS))
+    assert found[1] == 3 and list(ack.refs) == KEYS and len(holder.peer_read.calls) == 1
+
+
+def test_an_answer_asked_ahead_serves_only_a_pull_of_the_same_keys(monkeypatch):
+    """Kept under (peer, first key): a pull whose keys go on differently after that
+    first key is another request's, and the peer is asked again."""
+    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3)] * 2)
+    tiers = tierset_with(link)
+    other = KeyMaker(chunk_size=4, model_name="m").keys_from_hashes([b"a", b"z"], [4, 8])
+    other = [span.key for span in other]
+    assert other[0] == KEYS[0] and other[1] != KEYS[1]
+
+    async def scenario() -> CPUAck:
+        await _lookup(tiers, KEYS)
+        assert (await tiers.locate_peer(KEYS, ahead=True))[1] == 3
+        return await tiers.pull_peer("mgr-b", other)
+
+    ack = asyncio.run(scenario())
+    assert list(ack.refs) == other and len(holders["mgr-b"].peer_read.calls) == 3
+    assert tiers.index.counts["peer_asks_used"] == 0
 
 
 def test_a_reply_trimmed_names_only_the_objects_its_keys_use():
@@ -324,6 +422,8 @@ def test_a_reply_trimmed_names_only_the_objects_its_keys_use():
     assert peers.trim(reply, 2) == (metas[:2], [two], [(0, 0), (0, 1)])
     assert peers.held((metas[:2] + [None], [one], [(0, 0), (0, 1), None])) == 2
     assert peers.held((metas, [one], [(0, 0), None, (0, 1)])) == 1
+    # a malformed place is a miss, never an exception in the pull
+    assert peers.trim((metas, [one], [7, (0, 1, 2), (5, 0)]), 3) == (metas, [], [None] * 3)
 
 
 def test_a_lookup_that_does_not_pull_asks_no_peer_ahead_and_an_unpulled_answer_is_dropped(
