@@ -500,7 +500,8 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             (state.deadline - time.monotonic()) * 1e3,
         )
         # A hit read from the disk files alone pinned nothing (the manager closed it).
-        state.pinned = state.hit > 0 and not (self._direct and direct_start(state.sources) == 0)
+        direct = self._direct and direct_start(state.sources, self.config.world_size) == 0
+        state.pinned = state.hit > 0 and not direct
         state.saved = state.hit - state.hit % self._chunk  # a partial chunk is saved again
         return state.hit
 
@@ -574,7 +575,9 @@ class RayKVConnector(WorkerSide, KVConnectorBase_V1):
             state.block_ids[: end // self._block_size],
             sync=state.sync_load,
             tail=tail,
-            direct_from=direct_start(state.sources) if self._direct else None,
+            direct_from=(
+                direct_start(state.sources, self.config.world_size) if self._direct else None
+            ),
             unasked=state.lower,
         )
         self._pending_loads.append(spec)

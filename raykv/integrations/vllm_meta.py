@@ -153,15 +153,17 @@ class RayKVConnectorMetadata(KVConnectorMetadata):
     writes: set[int] = field(default_factory=set)
 
 
-def direct_start(sources: list[tuple[str, int]]) -> int | None:
+def direct_start(sources: list[tuple[str, int]], world_size: int = 1) -> int | None:
     """Where a hit's disk run starts (a token) when its `sources` are a CPU run, or none,
     then one disk run: the shape a direct lookup answers without promoting
-    (`LookupPlan.direct_disk`) and that the worker then reads from the files; else None."""
+    (`LookupPlan.direct_disk`) and that the worker then reads from the files; else None.
+    With several ranks only a hit wholly on disk (a CPU run's end in tokens does not say
+    whether it ended inside a chunk, on one rank's key: the manager promotes such hits)."""
     if not sources or sources[-1][0] != TIER_DISK or len(sources) > 2:
         return None
     if len(sources) == 1:
         return 0
-    return sources[0][1] if sources[0][0] == TIER_CPU else None
+    return sources[0][1] if sources[0][0] == TIER_CPU and world_size == 1 else None
 
 
 def hit_source_split(sources: list[tuple[str, int]], start: int, end: int) -> dict[Any, int]:

@@ -501,9 +501,8 @@ def rank_spans(kv: Any, other_ranks: list[Any], hashes: list[bytes], offsets: li
 def direct_reads(config: RayKVConfig) -> bool:
     """Whether this engine's workers may read disk hits from the disk tier's files
     (`disk_direct_reads`, `raykv.client.direct`): with a disk tier. With several ranks
-    each worker reads its own rank's files; a hit whose disk run does not start at a
-    chunk (one rank holds it in CPU, another only on disk) is promoted as before
-    (`LookupPlan.direct_disk`)."""
+    each worker reads its own rank's files, of a hit wholly on disk; one with a CPU
+    part is promoted as before (`LookupPlan.direct_disk`)."""
     return bool(config.disk_direct_reads and config.local_disk)
 
 

@@ -189,13 +189,15 @@ class LookupPlan:
         """The disk segment when the prefix past its CPU run is all on the local disk tier
         (what a client reading the files itself takes, `raykv.client.direct`), else None:
         a prefix that goes on in another tier is promoted as usual. With several ranks
-        (each chunk one key per rank, in rank order) the segment must start at a chunk:
-        a chunk one rank holds in CPU and another only on disk is promoted too."""
-        lower = self.segs[1:] if self.cpu_prefix() else self.segs
-        if len(lower) != 1 or lower[0][0] != TIER_DISK:
-            return None
+        (each chunk one key per rank, in rank order) only a prefix wholly on disk is: a
+        run's end in tokens (`sources`, what the scheduler sees) cannot tell a CPU run
+        that ends at a chunk from one that ends inside it, on one rank's key
+        (`raykv.integrations.vllm_meta.direct_start` applies the same rule)."""
         width = self.keys[0].world_size if self.keys else 1
-        return lower[0] if lower[0][1] % width == 0 else None
+        lower = self.segs[1:] if self.cpu_prefix() and width == 1 else self.segs
+        if len(lower) == 1 and lower[0][0] == TIER_DISK:
+            return lower[0]
+        return None
 
     def sources(self) -> list[tuple[str, int]]:
         """Where the prefix was found: `[(tier kind, prefix tokens up to the end of its

@@ -128,6 +128,8 @@ def test_a_reader_is_made_only_where_the_files_can_be_read_as_the_tier_wrote_the
 )
 def test_only_a_cpu_run_then_one_disk_run_is_read_from_the_files(sources, start):
     assert direct_start(sources) == start
+    # Several ranks: only a hit wholly on disk (see test_lookup_plan's agreement test).
+    assert direct_start(sources, world_size=2) == (start if len(sources) == 1 else None)
 
 
 def test_a_record_larger_than_the_readers_bound_is_refused_before_its_read(tmp_path):

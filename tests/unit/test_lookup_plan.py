@@ -184,20 +184,31 @@ def test_with_several_ranks_a_partial_chunk_needs_every_ranks_key() -> None:
     assert got.hit_tokens == 320
 
 
-def test_with_several_ranks_a_disk_run_is_read_directly_only_from_a_chunk_start() -> None:
-    """A client reads each rank's files itself only where every rank's key of a chunk is
-    on disk: a chunk one rank holds in CPU and another only on disk is promoted."""
-    r0, r1 = ([make_key("m", 2, r, f"{i:032x}", "float16") for i in range(4)] for r in (0, 1))
-    keys = [r0[0], r1[0], r0[1], r1[1], r0[2], r1[2]]  # three chunks, two ranks each
-    ends = [0, 256, 256, 512, 512, 768]
-    aligned = index(cpu=keys[:2], disk=keys[2:])
-    plan = LookupPlan.start(aligned, keys, ends, TIERS, remote=False)
-    assert plan.direct_disk() == (TIER_DISK, 2, 6) and plan.hit_tokens == 768
-    only_disk = LookupPlan.start(index(disk=keys), keys, ends, TIERS, remote=False)
-    assert only_disk.direct_disk() == (TIER_DISK, 0, 6)
-    mixed = index(cpu=keys[:3], disk=keys[3:])  # chunk 1: rank 0 in CPU, rank 1 on disk
-    plan = LookupPlan.start(mixed, keys, ends, TIERS, remote=False)
-    assert plan.hit_tokens == 768 and plan.direct_disk() is None
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_manager_and_the_scheduler_agree_on_which_hits_are_read_from_the_files(world):
+    """The manager leaves a hit unpromoted (`direct_disk`) exactly when the scheduler,
+    from the hit's sources alone, has its workers read the files (`direct_start`), from
+    the same token: else a worker would read files the manager promoted (a read twice,
+    or a recompute where a rank's chunk is in CPU only) or pins would wait for their
+    lease. With several ranks a CPU run's end does not say whether it ended inside a
+    chunk: only a hit wholly on disk is read from the files there."""
+    from raykv.integrations.vllm_meta import direct_start
+
+    ranks = [
+        [make_key("m", world, r, f"{i:032x}", "float16") for i in range(3)] for r in range(world)
+    ]
+    keys = [ranks[r][i] for i in range(3) for r in range(world)]  # chunk by chunk, rank order
+    ends = [256 * (i + 1) if r == world - 1 else 256 * i for i in range(3) for r in range(world)]
+    direct = []
+    for n in range(len(keys) + 1):  # the first n keys in CPU, the rest only on disk
+        plan = LookupPlan.start(index(cpu=keys[:n], disk=keys[n:]), keys, ends, TIERS, remote=False)
+        assert plan.hit_tokens == 768
+        seg, start = plan.direct_disk(), direct_start(plan.sources(), world)
+        assert (seg is None) == (start is None), (n, plan.segs)
+        if seg is not None:
+            assert start == (ends[seg[1] - 1] if seg[1] else 0)
+            direct.append(n)
+    assert direct == ([0, 1, 2] if world == 1 else [0])
 
 
 def test_candidates_travel_as_a_plain_tuple_and_malformed_ones_are_refused() -> None:
