@@ -64,6 +64,8 @@ RELEASE_BATCH_SECS = 0.02
 # A peer's answer asked ahead of the controller's (`locate_peer`) is dropped after this
 # long if no pull took it (its refs keep the peer's objects alive meanwhile).
 ASKED_KEEP_SECS = 2.0
+# An answer asked ahead and kept: (when, the keys asked, the peer's answer).
+Asked = tuple[float, list[CacheKey], PeerReply]
 
 
 class TierSet:
@@ -103,7 +105,8 @@ class TierSet:
         self._probe_opening: asyncio.Task | None = None  # `open_remote` running off the loop
         # Peers' answers asked ahead of the controller's (`locate_peer`), until their pull:
         # (peer, first key) -> (when, the keys asked, the answer).
-        self._asked: dict[tuple[str, CacheKey], tuple[float, list[CacheKey], PeerReply]] = {}
+        self._asked: dict[tuple[str, CacheKey], Asked] = {}
+        self._asked_timer: asyncio.TimerHandle | None = None
 
     @property
     def peers(self) -> dict[str, Any]:
@@ -368,6 +371,8 @@ class TierSet:
         if hint is None:
             return await link.locate(keys)
         asking = asyncio.ensure_future(ask_peer(self.peers[hint], keys))
+        loop = asyncio.get_running_loop()
+        guess_until = loop.time() + link.timeout  # a guess gets a locate's time, in all
         try:
             found = await link.locate(keys)
         except BaseException:  # cancelled: so is the question
@@ -377,8 +382,9 @@ class TierSet:
             asking.add_done_callback(_unused)
             self.index.counts["peer_asks_unused"] += 1
             return found
-        # Named by the controller: the pull's own time; else only a guess: a locate's.
-        wait = self._pull_timeout if found is not None else link.timeout
+        # Named by the controller: the pull's own time; else only a guess: what is left
+        # of a locate's time since both questions went out.
+        wait = self._pull_timeout if found is not None else max(0.0, guess_until - loop.time())
         try:
             reply = await asyncio.wait_for(asking, wait)
         except Exception as exc:
@@ -398,8 +404,8 @@ class TierSet:
             return None
         self._prune_asked()
         self._asked[(hint, keys[0])] = (time.monotonic(), keys, reply)
-        # An idle manager too drops it in time.
-        asyncio.get_running_loop().call_later(ASKED_KEEP_SECS + 0.1, self._prune_asked)
+        if self._asked_timer is None:  # an idle manager too drops it in time
+            self._asked_timer = loop.call_later(ASKED_KEEP_SECS, self._prune_asked_later)
         return PeerTier(hint), n
 
     def _prune_asked(self) -> None:
@@ -409,6 +415,15 @@ class TierSet:
         for key, (when, _keys, _reply) in list(self._asked.items()):
             if now - when > ASKED_KEEP_SECS:
                 del self._asked[key]
+
+    def _prune_asked_later(self) -> None:
+        """The one timer's prune, armed again while answers are kept."""
+        self._prune_asked()
+        self._asked_timer = None
+        if self._asked:
+            self._asked_timer = asyncio.get_running_loop().call_later(
+                ASKED_KEEP_SECS, self._prune_asked_later
+            )
 
     async def pull_peer(self, name: str, keys: list[CacheKey]) -> CPUAck | None:
         """Read `keys` from the peer manager `name` (`read_peer`, or the answer asked
@@ -445,7 +460,7 @@ class TierSet:
         return ack
 
     async def _read_peer(
-        self, peer: Any, keys: list[CacheKey], asked: tuple | None
+        self, peer: Any, keys: list[CacheKey], asked: Asked | None
     ) -> tuple[CPUAck, list[PayloadMeta]]:
         """`read_peer`, or the answer asked ahead for a list of keys that begins with
         `keys` (`asked`: when, those keys, the answer)."""

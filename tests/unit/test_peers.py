@@ -129,6 +129,7 @@ def tierset_with(link: ControllerLink) -> TierSet:
     counts = {"pull_timeouts": 0, "peer_asks_used": 0, "peer_asks_unused": 0}
     tiers.index = type("Index", (), {"counts": counts, "up": lambda self, tier: False})()
     tiers.handles, tiers._background, tiers._asked, tiers._releases = {}, set(), {}, []
+    tiers._asked_timer = None
     return tiers
 
 
@@ -447,3 +448,48 @@ def test_a_lookup_that_does_not_pull_asks_no_peer_ahead_and_an_unpulled_answer_i
 
     asyncio.run(scenario())
     assert not tiers._asked
+
+
+def test_a_hung_controller_and_a_hung_hinted_peer_cost_one_locate_time_together(monkeypatch):
+    """Both questions go out at once, so a guess waits only what is left of the locate's
+    time (0.2 s here), not a second one after the controller's."""
+    calls = iter([("node-b", "mgr-b", 3)])
+
+    async def locate(keys, exclude):
+        answer = next(calls, None)
+        if answer is None:
+            await asyncio.sleep(10)
+        return answer
+
+    link = link_to(FakeController(locate=locate), monkeypatch)
+    holder = _Holder(3)
+    monkeypatch.setattr(link, "_peer_handle", lambda name: holder)
+    tiers = tierset_with(link)
+
+    async def hang(keys):
+        await asyncio.sleep(10)
+
+    async def lookups() -> tuple[Any, float]:
+        await _lookup(tiers, KEYS)
+        holder.peer_read = _Call(hang)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        return await tiers.locate_peer(KEYS, ahead=True), loop.time() - t0
+
+    found, took = asyncio.run(lookups())
+    assert found is None and took < 0.3 and link.hint() is None
+
+
+def test_an_answer_no_pull_took_is_dropped_by_a_timer_on_an_idle_manager(monkeypatch):
+    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3)] * 2)
+    tiers = tierset_with(link)
+    monkeypatch.setattr(tierset_module, "ASKED_KEEP_SECS", 0.05)
+
+    async def scenario() -> tuple[int, int, Any]:
+        await _lookup(tiers, KEYS)
+        assert (await tiers.locate_peer(KEYS, ahead=True))[1] == 3  # kept, never pulled
+        kept = len(tiers._asked)
+        await asyncio.sleep(0.3)  # nothing else happens on this manager
+        return kept, len(tiers._asked), tiers._asked_timer
+
+    assert asyncio.run(scenario()) == (1, 0, None)
