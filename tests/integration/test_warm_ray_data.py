@@ -42,7 +42,9 @@ def test_a_replica_started_after_a_ray_data_warming_job_hits_from_its_first_requ
     )
     address = ray.get_runtime_context().gcs_address
     ns = f"t-warm-{uuid.uuid4().hex[:8]}"
-    docs = example.documents(3, 3 * 256 + 40)  # three whole chunks and a tail each
+    # Three whole chunks and a token each: raykv's hits and vLLM's own cache's then
+    # cover the same 768 tokens (vLLM caches whole blocks short of the last token).
+    docs = example.documents(3, 3 * 256 + 1)
     assert example.warm(model, address, ns, docs) == 3 * len(docs[0])
     # The same model warmed with another block size: keys apart, named in the log.
     example.warm(model, address, ns, docs[:1], block_size=64)
@@ -52,7 +54,11 @@ def test_a_replica_started_after_a_ray_data_warming_job_hits_from_its_first_requ
     assert warmed["first"]["cached"] == 3 * 256  # from raykv, on its first request
     assert warmed["repeat"]["cached"] == 3 * 256
     assert unwarmed["first"]["cached"] == 0
-    assert warmed["first"]["token"] == unwarmed["first"]["token"]
+    # The same answer from raykv's hits, and from raykv's and vLLM's own hits of one KV
+    # (the warmed and unwarmed tokens may differ in a near tie: another thread count).
+    example.same_answer(warmed["first"], warmed["repeat"])
+    assert unwarmed["repeat"]["cached"] == unwarmed["vllm_hit"]["cached"] == 3 * 256
+    example.same_answer(unwarmed["repeat"], unwarmed["vllm_hit"])
     [warning] = warmed["layout_warnings"]
     assert "block size 64" in warning and "block size 32" in warning
     assert unwarmed["layout_warnings"] == []
