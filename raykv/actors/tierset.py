@@ -390,11 +390,12 @@ class TierSet:
         except Exception as exc:
             self.index.counts["peer_asks_unused"] += 1
             link.unhint(hint)
-            if isinstance(exc, RayActorError):
-                link.lost(hint)
-            elif found is not None and isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            named = found is not None
+            if isinstance(exc, ActorDiedError) or (named and isinstance(exc, RayActorError)):
+                link.lost(hint)  # dead; or unavailable although the controller named it
+            elif named and isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
                 self.index.counts["pull_timeouts"] += 1
-            if found is not None:
+            if named:
                 logger.warning("peer %s did not answer a read: %r; a miss", hint, exc)
             return None
         n = max(found[1] if found is not None else 0, held(reply))
@@ -436,8 +437,10 @@ class TierSet:
         unlisted (`ControllerLink.stale`)."""
         asked = self._asked.pop((name, keys[0]), None) if keys else None
         self._prune_asked()
+        if asked is not None and asked[1][: len(keys)] != keys:
+            asked = None  # asked for another request's keys after the same first one
         peer = self.peers.get(name)
-        if peer is None or not keys:
+        if not keys or (peer is None and asked is None):  # an answer needs no handle
             return None
         try:
             read = self._read_peer(peer, keys, asked)
@@ -464,7 +467,7 @@ class TierSet:
     ) -> tuple[CPUAck, list[PayloadMeta]]:
         """`read_peer`, or the answer asked ahead for a list of keys that begins with
         `keys` (`asked`: when, those keys, the answer)."""
-        if asked is not None and asked[1][: len(keys)] == keys:
+        if asked is not None:
             self.index.counts["peer_asks_used"] += 1
             return await fetch_reply(trim(asked[2], len(keys)), keys)
         return await read_peer(peer, keys)

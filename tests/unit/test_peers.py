@@ -493,3 +493,36 @@ def test_an_answer_no_pull_took_is_dropped_by_a_timer_on_an_idle_manager(monkeyp
         return kept, len(tiers._asked), tiers._asked_timer
 
     assert asyncio.run(scenario()) == (1, 0, None)
+
+
+def test_a_guess_that_finds_its_peer_unavailable_for_a_moment_keeps_the_peer(monkeypatch):
+    """Only a dead peer (or one the controller named) is forgotten: a transient
+    `ActorUnavailableError` on a guess drops the hint, not the handle."""
+    from ray.exceptions import ActorUnavailableError
+
+    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3), None])
+    tiers = tierset_with(link)
+
+    async def lookups() -> Any:
+        await _lookup(tiers, KEYS)
+        holders["mgr-b"].peer_read = _Holder(0, fail=ActorUnavailableError("busy", None)).peer_read
+        return await _lookup(tiers, KEYS)
+
+    assert asyncio.run(lookups()) == (None, None)
+    assert "mgr-b" in link.peers and link.hint() is None
+
+
+def test_an_answer_asked_ahead_serves_its_pull_after_the_peers_handle_was_dropped(monkeypatch):
+    """The answer holds the peer's refs; its pull needs no handle (a concurrent lookup's
+    failed read may have dropped it meanwhile)."""
+    link, holders = _located_link(monkeypatch, [("node-b", "mgr-b", 3)] * 2)
+    tiers = tierset_with(link)
+
+    async def scenario() -> CPUAck:
+        await _lookup(tiers, KEYS)
+        assert (await tiers.locate_peer(KEYS, ahead=True))[1] == 3
+        link.peers.pop("mgr-b")
+        return await tiers.pull_peer("mgr-b", KEYS)
+
+    ack = asyncio.run(scenario())
+    assert list(ack.refs) == KEYS and tiers.index.counts["peer_asks_used"] == 1
