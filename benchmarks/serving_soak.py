@@ -131,6 +131,9 @@ def soak(model: str, args: argparse.Namespace, env: dict[str, Any], redis: Any) 
         "events": events,
         "requests": len(results),
         "errors": sum(1 for r in results if r.error),
+        # What the failed requests got (the first few, each once): a soak that counts
+        # errors says which.
+        "error_texts": list(dict.fromkeys(r.error for r in results if r.error))[:5],
         "minutes": args.soak,
         "arm": args.soak_arm,
     }
@@ -140,6 +143,8 @@ def report_soak(soaked: dict[str, Any], summary: Summary) -> None:
     arm = soaked.get("arm", "soak")
     print(f"\n## soak ({arm}): {soaked['minutes']} min, {soaked['requests']} requests, ", end="")
     print(f"{soaked['errors']} errors")
+    for text in soaked.get("error_texts", []):
+        print(f"- error: {text}")
     groups = sorted({g for s in soaked["samples"] for g in s["rss_mib"]})
     print_table(
         ["minute", *[f"{g} RSS MiB" for g in groups], "object store MiB", "requests", "errors"],
