@@ -179,6 +179,7 @@ async def _one(
     }
     answer: list[int] = []
     last = None
+    generated = None  # the server's count (the usage block), beside the words streamed
     async with http.post(url, json=body) as reply:
         if reply.status != 200:
             out.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
@@ -196,6 +197,7 @@ async def _one(
             if usage:
                 details = usage.get("prompt_tokens_details") or {}
                 out.cached_tokens = int(details.get("cached_tokens") or 0)
+                generated = usage.get("completion_tokens")
             for choice in chunk.get("choices") or []:
                 words = [int(w[1:]) for w in (choice.get("text") or "").split()]
                 if not words:
@@ -208,7 +210,9 @@ async def _one(
                 answer += words
     out.output_tokens = len(answer)
     if not out.error and len(answer) != req.max_tokens:  # ignore_eos: every answer is whole
-        out.error = f"{len(answer)} of {req.max_tokens} tokens streamed"
+        # The server's count tells a token whose text is empty (a special token the
+        # model produced: `ignore_eos` does not stop it) from a token lost on the way.
+        out.error = f"{len(answer)} of {req.max_tokens} tokens streamed (usage: {generated})"
     return answer
 
 
